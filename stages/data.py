@@ -1,0 +1,177 @@
+"""HH-style preference data: dialogue parsing, prompt rendering and seeded, disjoint splits.
+
+A pair is `{"chosen": dialogue, "rejected": dialogue}` where both dialogues share every turn but
+the last Assistant turn. The prompt is everything up to and including the last "\\n\\nAssistant:";
+the response is what follows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+
+from stages.config import ConfigError, PipelineConfig
+from stages.sources import DataError, read_records
+
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts")
+
+
+def split_dialogue(text: str) -> tuple[str, str]:
+    """(prompt, response): the prompt ends with the last "\\n\\nAssistant:"."""
+    cut = text.rfind(ASSISTANT)
+    if cut < 0:
+        raise ValueError('no "\\n\\nAssistant:" turn')
+    end = cut + len(ASSISTANT)
+    return text[:end], text[end:].strip()
+
+
+def prompt_messages(prompt: str) -> list[dict]:
+    """HH prompt text → chat messages (user/assistant turns, the final empty Assistant dropped)."""
+    parts = _TURN.split(prompt)
+    if parts[0].strip():
+        raise ValueError("text before the first Human turn")
+    messages = []
+    for speaker, content in zip(parts[1::2], parts[2::2]):
+        messages.append({"role": "user" if speaker == "Human" else "assistant", "content": content.strip()})
+    if not messages or messages[-1]["role"] != "assistant" or messages[-1]["content"]:
+        raise ValueError("the prompt must end with an empty Assistant turn")
+    messages.pop()
+    if not messages or messages[0]["role"] != "user":
+        raise ValueError("the dialogue must start with a Human turn")
+    return messages
+
+
+def parse_pair(record: dict, source: str) -> tuple[dict, list[str]]:
+    """One raw row → a pair record and the row rules it breaks (empty list when clean)."""
+    row = record.get("_row")
+    for column in ("chosen", "rejected"):
+        if column not in record:
+            raise DataError(source, row, f"missing column '{column}' (columns: {', '.join(k for k in record if k != '_row')})")
+        if not isinstance(record[column], str):
+            raise DataError(source, row, f"column '{column}' must be a string, got {type(record[column]).__name__}")
+    try:
+        prompt, chosen = split_dialogue(record["chosen"])
+        rejected_prompt, rejected = split_dialogue(record["rejected"])
+        messages = prompt_messages(prompt)
+    except ValueError as err:
+        raise DataError(source, row, f"not an HH dialogue: {err}") from None
+    broken = []
+    if prompt != rejected_prompt:
+        broken.append("chosen and rejected have different prompts")
+    if not chosen or not rejected:
+        broken.append("empty answer")
+    elif chosen == rejected:
+        broken.append("chosen equals rejected")
+    pair = {"row": row, "prompt": prompt, "messages": messages, "chosen": chosen, "rejected": rejected}
+    return pair, broken
+
+
+def load_pairs(cfg: PipelineConfig) -> tuple[str, list[dict], list[dict]]:
+    """(source, clean pairs, dropped rows with their reasons)."""
+    source, records = read_records(cfg.data.pairs, cfg.data)
+    if not records:
+        raise DataError(source, None, "no rows")
+    pairs, dropped = [], []
+    for record in records:
+        pair, broken = parse_pair(record, source)
+        if broken and cfg.data.drop_invalid:
+            dropped.append({"row": pair["row"], "rules": broken})
+        else:
+            pairs.append(pair)
+    return source, pairs, dropped
+
+
+def make_splits(pairs: list[dict], cfg: PipelineConfig) -> dict[str, list[dict]]:
+    """Seeded splits over distinct prompts: the same prompt never lands in two splits."""
+    by_prompt: dict[str, dict] = {}
+    for pair in pairs:
+        by_prompt.setdefault(pair["prompt"], pair)  # duplicates of a prompt: keep the first row
+    unique = list(by_prompt.values())
+    random.Random(cfg.data.seed).shuffle(unique)
+    sizes = cfg.data.splits.model_dump()
+    needed = sum(sizes.values())
+    if needed > len(unique):
+        raise ConfigError(
+            f"data.splits ask for {needed} prompts ({sizes}) but {cfg.data.pairs} has {len(unique)} distinct ones"
+        )
+    splits, start = {}, 0
+    for name in SPLITS:
+        splits[name] = unique[start : start + sizes[name]]
+        start += sizes[name]
+    return splits
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def splits_digest(splits: dict[str, list[dict]]) -> str:
+    sha = hashlib.sha256()
+    for name in SPLITS:
+        for row in splits.get(name, []):
+            sha.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode())
+    return sha.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering prompts for a tokenizer
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """The model's chat template where it has one, else the HH "Human:/Assistant:" form."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    turns = "".join(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages)
+    return turns + ASSISTANT
+
+
+def render_response(tokenizer, response: str) -> str:
+    return response if getattr(tokenizer, "chat_template", None) else " " + response
+
+
+def encode_example(tokenizer, messages: list[dict], response: str, max_seq_len: int, max_response_len: int):
+    """(input_ids, labels): labels are -100 on prompt tokens, so the loss sees the response and
+    its EOS only. Long prompts lose their oldest tokens; long responses are cut (EOS kept)."""
+    prompt_ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(render_response(tokenizer, response), add_special_tokens=False)["input_ids"]
+    response_ids = response_ids[: max_response_len - 1] + [tokenizer.eos_token_id]
+    prompt_ids = prompt_ids[-(max_seq_len - len(response_ids)) :]
+    return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# The stage
+
+
+def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
+    """Parse, clean and split the pairs; log the splits as artifacts and MLflow inputs."""
+    source, pairs, dropped = load_pairs(cfg)
+    splits = make_splits(pairs, cfg)
+    out = tracker.workdir / "splits"
+    for name, rows in splits.items():
+        write_jsonl(rows, out / f"{name}.jsonl")
+    write_jsonl(dropped, out / "dropped_rows.jsonl")
+    digest = splits_digest(splits)
+    tracker.log_params({"data.source": source, "data.digest": digest})
+    tracker.log_metrics(
+        {"data/rows": len(pairs) + len(dropped), "data/dropped": len(dropped), "data/distinct_prompts": len({p["prompt"] for p in pairs}),
+         **{f"data/{name}": len(rows) for name, rows in splits.items()}},
+        step=0,
+    )
+    tracker.log_artifacts(out, "splits")
+    for name, rows in splits.items():
+        tracker.log_input_rows(rows, name=name, source=source, digest=digest, context=name)
+    return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source}

