@@ -10,9 +10,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from stages import tracking
 from stages.config import PipelineConfig, load_config
-from stages.launch import STAGE_FUNCTIONS, execute
+from stages.launch import STAGE_MODULES, execute
 
-STAGES = list(STAGE_FUNCTIONS)
+STAGES = list(STAGE_MODULES)
 
 # One Prefect task per stage. A stage failure is never retried automatically: a training or
 # gate failure would only fail again, and a rerun with from_run resumes from its artifacts.

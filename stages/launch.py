@@ -14,13 +14,16 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.config import PipelineConfig, deepspeed_config_path
 
-# Stage name → function(cfg, tracker, inputs, dist) -> outputs, in pipeline order.
-STAGE_FUNCTIONS = {"data": "stages.data:run", "sft": "stages.sft:train"}
+# Stage name → module, in pipeline order. Each module has `run(cfg, tracker, inputs, dist)`
+# returning its outputs, and may have `prepare(cfg, inputs)`: work done once, in the launching
+# process, before any rank starts (materialising a base model, downloading inputs).
+STAGE_MODULES = {"data": "stages.data", "sft": "stages.sft"}
 # What each stage reads from earlier stages' outputs.
 STAGE_INPUTS = {"data": [], "sft": ["splits"]}
 
@@ -136,9 +139,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _stage_function(stage: str):
-    module, name = STAGE_FUNCTIONS[stage].split(":")
-    return getattr(importlib.import_module(module), name)
+def _stage_module(stage: str):
+    return importlib.import_module(STAGE_MODULES[stage])
 
 
 def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
@@ -162,12 +164,17 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
 
 def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     """Run one stage in-process, or as ranks when its launch config asks; returns its outputs."""
+    module = _stage_module(stage)
+    if hasattr(module, "prepare"):
+        inputs = {**inputs, **module.prepare(cfg, inputs)}
     launch = getattr(getattr(cfg, stage, None), "launch", None)
     if launch is None or (launch.world_size == 1 and launch.deepspeed is None):
-        return _stage_function(stage)(cfg, tracker, inputs, Dist())
+        return module.run(cfg, tracker, inputs, Dist())
     spec_path = tracker.workdir / "launch.json"
     out_path = tracker.workdir / "outputs.json"
     out_path.unlink(missing_ok=True)
+    for stale in tracker.workdir.glob("error-rank*.txt"):
+        stale.unlink()
     spec = {
         "stage": stage,
         "config": cfg.model_dump(mode="json"),
@@ -186,9 +193,11 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not out_path.exists():
-        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        errors = [f"rank {p.stem.removeprefix('error-rank')}: {p.read_text()}"
+                  for p in sorted(tracker.workdir.glob("error-rank*.txt"))]
+        detail = "\n".join(errors) or "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise StageLaunchError(f"stage '{stage}' failed on {launch.world_size} ranks (exit {proc.returncode}); "
-                               f"log: {log_path}\n{tail}")
+                               f"log: {log_path}\n{detail}")
     return json.loads(out_path.read_text())
 
 
@@ -201,12 +210,21 @@ def _rank_main(spec_path: str) -> None:
     launch = getattr(cfg, spec["stage"]).launch
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
+    on_gpu = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu"
+    if on_gpu:
         torch.cuda.set_device(device)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # torch 2.13 deprecates a collective DeepSpeed's ZeRO calls every step.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo")
+    if not on_gpu:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (1-2 min of g++ on a
+        # fresh machine) that only inference all-reduce uses; training collectives go via gloo.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     ds_config = _resolve_deepspeed_config(launch.deepspeed or "zero2")
     dist = Dist(rank=rank, world_size=world_size, deepspeed_config=ds_config, device=device)
     tracker = None
@@ -215,7 +233,12 @@ def _rank_main(spec_path: str) -> None:
 
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"])
-    outputs = _stage_function(spec["stage"])(cfg, tracker, spec["inputs"], dist)
+    try:
+        outputs = _stage_module(spec["stage"]).run(cfg, tracker, spec["inputs"], dist)
+    except Exception as err:
+        # The first line of the stage's error, per rank, for the launcher's message.
+        Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
+        raise
     if dist.is_main:
         tmp = Path(spec["outputs"] + ".tmp")
         tmp.write_text(json.dumps(outputs))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
 from stages import sources, tracking
 from stages.config import PipelineConfig
@@ -77,13 +79,21 @@ def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    sft = cfg.sft
-    torch.manual_seed(sft.seed)
+def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+    """Once, before the ranks start: local copies of the splits and of the base model."""
     splits_dir = tracking.download(inputs["splits"])
     model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
+    return {"splits_dir": str(splits_dir), "base_model_dir": model_dir}
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    sft = cfg.sft
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars; the training bar is ours
+    torch.manual_seed(sft.seed)
+    splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)
     model = sources.load_model(model_dir, cfg.model).to(dist.device)
+    sources.align_pad_token(model, tokenizer)
     if sft.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
@@ -113,6 +123,8 @@ def train(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, 
     if dist.is_main:
         tracker.log_params({"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
                             "sft.world_size": dist.world_size, "sft.total_steps": total_steps,
+                            "sft.engine": type(engine).__name__,
+                            "sft.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
                             "sft.base_model": model_dir})
         tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before}, step=0)
 
@@ -164,6 +176,7 @@ def train(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, 
         engine.module.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         tracker.log_artifacts(out, "model")
+        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
         lineage = {
             "rlhf.input.base_model": cfg.model.name_or_path,
             "rlhf.input.splits": inputs["splits"],

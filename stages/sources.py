@@ -228,20 +228,23 @@ def gguf_path(cfg: ModelConfig) -> Path | None:
 
 
 def _convert_gguf(path: Path, cfg: ModelConfig, out: Path) -> None:
-    """De-quantise a GGUF model into a plain safetensors folder (transformers won't save the
-    GGUF-loaded model itself, so its weights are copied into a freshly built one)."""
+    """De-quantise a GGUF model into a plain safetensors folder. transformers refuses to save the
+    GGUF-loaded model itself (its config still says "quantized"), so the weights are copied into
+    a model built from a cleaned config."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    config = loaded.config
-    for leftover in ("quantization_config", "gguf_file"):
-        if hasattr(config, leftover):
-            delattr(config, leftover)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(out, safe_serialization=True)
+    values = loaded.config.to_dict()
+    for leftover in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        values.pop(leftover, None)
+    values["dtype"] = "float32"
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values), dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.tie_weights()
+    tokenizer.model_max_length = plain.config.max_position_embeddings  # GGUF says 1e30
+    plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
@@ -313,7 +316,14 @@ def load_model(model_dir: str, cfg: ModelConfig):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, cfg.dtype)
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
+        model_dir, dtype=getattr(torch, cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
+
+
+def align_pad_token(model, tokenizer) -> None:
+    """The model's config and generation config use the tokenizer's pad (not its EOS)."""
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -81,6 +81,9 @@ def download(uri: str) -> Path:
 
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
+    if uri.startswith("models:/"):  # resolve through our registry, not MLflow's global default
+        name, version = uri.removeprefix("models:/").split("/")
+        uri = client().get_model_version_download_uri(name, version)
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri()))
 
 
