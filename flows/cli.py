@@ -54,11 +54,15 @@ def main(argv: list[str] | None = None) -> int:
 
             prefect_serve(*deployments(args.preset))
             return 0
-        load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+        cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        if stages is None or "data" in stages:
+            from stages.sources import data_dir, resolve_local
+
+            resolve_local(cfg.data.pairs, data_dir(cfg.data))
         from flows.rlhf import rlhf
         from stages import tracking
 
-        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
         run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run)
         print(f"\nPipeline run {run_id} finished.\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: mlflow ui --backend-store-uri {tracking.tracking_uri()}")

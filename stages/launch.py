@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from stages.config import PipelineConfig, deepspeed_config_path
@@ -38,7 +38,6 @@ class Dist:
     world_size: int = 1
     deepspeed_config: dict | None = None
     device: str = "cpu"
-    _group_ready: bool = field(default=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -99,9 +98,6 @@ class PlainEngine:
 
     def train(self) -> None:
         self.module.train()
-
-    def eval(self) -> None:
-        self.module.eval()
 
 
 def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accum_steps: int,

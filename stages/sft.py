@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers.utils import logging as hf_logging
 
 from stages import sources, tracking
 from stages.config import PipelineConfig
@@ -88,7 +87,6 @@ def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
     sft = cfg.sft
-    hf_logging.disable_progress_bar()  # no "Loading weights" bars; the training bar is ours
     torch.manual_seed(sft.seed)
     splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)

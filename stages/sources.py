@@ -248,14 +248,27 @@ def _convert_gguf(path: Path, cfg: ModelConfig, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _quiet_transformers() -> None:
+    """No "Loading weights" / "Writing model shards" bars: the stages show their own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def materialise_model(cfg: ModelConfig, corpus: Callable[[], list[str]] | None = None) -> str:
     """A local folder (or hub id) holding the model and tokenizer the config asks for."""
+    _quiet_transformers()
     spec = cfg.name_or_path
     gguf = gguf_path(cfg)
     if gguf is not None:
         stat = gguf.stat()
         key = "gguf-" + _key(str(gguf.resolve()), stat.st_size, int(stat.st_mtime))
-        return str(cached(key, lambda out: _convert_gguf(gguf, cfg, out)))
+
+        def convert(out: Path) -> None:
+            print(f"de-quantising {gguf.name} into {cache_dir() / key} (once; about a minute)")
+            _convert_gguf(gguf, cfg, out)
+
+        return str(cached(key, convert))
     if spec.startswith("random:"):
         if corpus is None or cfg.tokenizer != "bpe":
             raise ValueError("model 'random:llama' needs `model.tokenizer: bpe` and the data to train it on")
@@ -316,6 +329,7 @@ def load_model(model_dir: str, cfg: ModelConfig):
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -87,6 +85,15 @@ def download(uri: str) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri()))
 
 
+def log_params(mlflow_client, run_id: str, params: dict) -> None:
+    """Log a nested dict as flat `section.key` params (MLflow caps a value at 6000 chars)."""
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+    for start in range(0, len(items), 100):
+        mlflow_client.log_batch(run_id, params=items[start : start + 100])
+
+
 class StageRun:
     """One stage's MLflow run, plus the local working folder of that stage."""
 
@@ -97,12 +104,7 @@ class StageRun:
 
     # -- logging ---------------------------------------------------------------------------
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
-
-        flat = flatten(params)
-        items = [Param(k, str(v)[:6000]) for k, v in flat.items()]
-        for start in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[start : start + 100])
+        log_params(self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -185,11 +187,8 @@ class PipelineRun:
         if from_run:
             tags["rlhf.from_run"] = from_run
         run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-        pipeline = cls(mlflow_client, run.info.run_id, cfg)
-        StageRun(mlflow_client, pipeline.run_id, "pipeline", pipeline.workdir, pipeline.run_id).log_params(
-            cfg.model_dump(mode="json")
-        )
-        return pipeline
+        log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
+        return cls(mlflow_client, run.info.run_id, cfg)
 
     @property
     def workdir(self) -> Path:
@@ -238,13 +237,3 @@ def latest_pipeline_run(cfg: PipelineConfig) -> str | None:
         max_results=1,
     )
     return runs[0].info.run_id if runs else None
-
-
-def copy_tree(src: Path, dst: Path) -> None:
-    """Copy a folder into place atomically (temp folder + rename)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
-    shutil.copytree(src, tmp, dirs_exist_ok=True)
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.rename(tmp, dst)

@@ -1,0 +1,45 @@
+"""The `rlhf` command as a user runs it: a subprocess, Prefect's ephemeral API, no server."""
+
+import os
+import re
+import subprocess
+import sys
+
+import yaml
+
+from stages import tracking
+
+
+def _rlhf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_config_prints_the_resolved_preset():
+    out = _rlhf("config", "--preset", "tiny", "--set", "sft.lr=1e-4")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["sft"]["lr"] == 1e-4 and cfg["preset"] == "tiny"
+
+
+def test_bad_override_is_a_one_line_error():
+    out = _rlhf("run", "--preset", "tiny", "--set", "sft.lrr=1")
+    assert out.returncode == 2
+    assert "rlhf: override: unknown key 'sft.lrr'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_data_file_is_a_one_line_error(tmp_path):
+    out = _rlhf("run", "--preset", "tiny", "--stages", "data", "--set", f"data.pairs={tmp_path}/none.jsonl")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert re.search(r"rlhf: .*none\.jsonl: file not found", out.stderr)
+    assert "Traceback" not in out.stderr
+
+
+def test_run_on_the_ephemeral_api():
+    out = _rlhf("run", "--preset", "tiny", "--stages", "data")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_id = re.search(r"Pipeline run (\w+) finished", out.stdout).group(1)
+    assert tracking.client().get_run(run_id).info.status == "FINISHED"
+    assert "mlflow ui --backend-store-uri sqlite:///" in out.stdout
