@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-HH_FILE = SHARED_DATA / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+from stages.sources import default_data_dir
+
+HH_FILE = (default_data_dir() or Path("/nonexistent")) / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
