@@ -92,8 +92,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)
     model = sources.load_model(model_dir, cfg.model).to(dist.device)
     sources.align_pad_token(model, tokenizer)
-    if sft.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if sft.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.config.use_cache = False
 
     def encode(rows):
