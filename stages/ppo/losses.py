@@ -1,0 +1,54 @@
+"""PPO losses (paper §5.3.3): clipped surrogate, clipped value loss, PPO-ptx, entropy."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.ppo.advantages import masked_mean
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L^CLIP = −E[min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)], ρ = π_θ / π_old; no clipping when ε is None."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    if clip_eps is None:
+        surrogate, clipped_frac = unclipped, torch.zeros((), device=ratio.device)
+    else:
+        clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+        surrogate = torch.minimum(unclipped, clipped)
+        clipped_frac = masked_mean((clipped < unclipped).float(), mask)
+    stats = {
+        "clipfrac": clipped_frac.detach(),
+        "approxkl": masked_mean(0.5 * log_ratio.detach() ** 2, mask),  # ½ E[(log ρ)²], as TRL
+        "ratio": masked_mean(ratio.detach(), mask),
+        "ratio_var": masked_mean((ratio.detach() - masked_mean(ratio.detach(), mask)) ** 2, mask),
+    }
+    return -masked_mean(surrogate, mask), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L^V = ½ E[max((V − R)², (clip(V, V_old − ε_v, V_old + ε_v) − R)²)]; plain ½ E[(V − R)²]
+    when ε_v is None."""
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": torch.zeros((), device=values.device)}
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    clipped = (clipped_values - returns) ** 2
+    stats = {"clipfrac": masked_mean((clipped > unclipped).float(), mask).detach()}
+    return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), stats
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H(π(·|s_t)) per position: logsumexp(z) − Σ softmax(z) z."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(-1)
+
+
+def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """PPO-ptx: the SFT language-modelling loss on pretraining/SFT data (labels −100 = ignore)."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+    )

@@ -1,0 +1,89 @@
+"""From reward-model scores to per-token rewards (paper §5.3.1 and eq. 1–2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class RunningMoments:
+    """Mean and variance of every score seen so far (all batches, all ranks), merged batch by
+    batch with the parallel update of Chan et al. (exact, not an exponential average)."""
+
+    mean: float = 0.0
+    var: float = 1.0
+    count: float = 0.0
+
+    @property
+    def std(self) -> float:
+        return max(self.var, 1e-12) ** 0.5
+
+    def merge(self, mean: float, var: float, count: float) -> None:
+        """Fold in a batch given by its (population) mean, variance and count."""
+        if count <= 0:
+            return
+        total = self.count + count
+        delta = mean - self.mean
+        # M2 = M2_a + M2_b + δ² · n_a · n_b / (n_a + n_b)
+        m2 = self.var * self.count + var * count + delta**2 * self.count * count / total
+        self.mean, self.var, self.count = self.mean + delta * count / total, m2 / total, total
+
+    def update(self, scores: torch.Tensor, all_reduce_sum=None) -> None:
+        """Merge a batch of scores; `all_reduce_sum([n, Σx, Σx²])` sums over ranks when given."""
+        x = scores.detach().double().flatten()
+        sums = [float(x.numel()), float(x.sum()), float((x * x).sum())]
+        if all_reduce_sum is not None:
+            sums = all_reduce_sum(sums)
+        n, total, squares = sums
+        if n == 0:
+            return
+        mean = total / n
+        self.merge(mean, max(squares / n - mean * mean, 0.0), n)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+
+
+ScoreMode = Literal["none", "scale", "normalise"]
+
+
+def reparameterise_scores(scores: torch.Tensor, moments: RunningMoments, mode: ScoreMode, clip: float) -> torch.Tensor:
+    """r̃ = r (none), r / σ (scale), or clip((r − μ) / σ, −δ, δ) (normalise) — paper §5.3.1."""
+    if mode == "none":
+        return scores
+    if mode == "scale":
+        return scores / moments.std
+    return ((scores - moments.mean) / moments.std).clamp(-clip, clip)
+
+
+def apply_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """A response cut off before EOS gets the fixed `penalty` score instead of the RM's."""
+    if penalty is None:
+        return scores
+    return torch.where(ended_with_eos, scores, torch.full_like(scores, penalty))
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k3"]) -> torch.Tensor:
+    """Per-token KL(π_old ‖ π_SFT) estimate from sampled tokens: k1 = log π − log π_SFT,
+    k3 = (ρ − 1) − log ρ with ρ = π_SFT / π (unbiased and non-negative; Schulman 2020)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+                  kl_coef: float, kl_kind: Literal["k1", "k3"]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_t, KL_t) over response tokens: r_t = −β · KL_t, plus the score on the last response
+    token (eq. 1–2). `mask` is 1 on response tokens; rows have at least one."""
+    kl = kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
+    rewards = -kl_coef * kl
+    last = mask.long().cumsum(dim=1).argmax(dim=1)  # index of the last response token
+    rewards[torch.arange(rewards.shape[0]), last] += scores.to(rewards.dtype)
+    return rewards, kl

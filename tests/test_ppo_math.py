@@ -1,0 +1,153 @@
+"""PPO-max building blocks against independent, straightforward references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stages.ppo.advantages import gae, masked_whiten
+from stages.ppo.losses import entropy_from_logits, policy_loss, value_loss
+from stages.ppo.rewards import (
+    RunningMoments, apply_eos_penalty, kl_estimate, reparameterise_scores, token_rewards,
+)
+
+
+def gae_reference(rewards, values, gamma, lam):
+    """The textbook loop over one episode (lists, no masks)."""
+    advantages, last = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(rewards) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        advantages[t] = last
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 7), st.integers(0, 3), st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.data())
+def test_gae_matches_the_loop_on_padded_rows(rows, width, prompt, gamma, lam, data):
+    lengths = [data.draw(st.integers(1, width)) for _ in range(rows)]
+    total = prompt + width
+    rewards = torch.randn(rows, total, dtype=torch.float64)
+    values = torch.randn(rows, total, dtype=torch.float64)
+    mask = torch.zeros(rows, total, dtype=torch.float64)
+    for i, n in enumerate(lengths):  # prompt positions, then n response tokens, then post-EOS pads
+        mask[i, prompt : prompt + n] = 1
+    advantages, returns = gae(rewards * mask, values, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        span = slice(prompt, prompt + n)
+        ref_a, ref_r = gae_reference(rewards[i, span].tolist(), values[i, span].tolist(), gamma, lam)
+        np.testing.assert_allclose(advantages[i, span].numpy(), ref_a, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(returns[i, span].numpy(), ref_r, rtol=1e-10, atol=1e-10)
+        assert advantages[i, prompt + n :].abs().sum() == 0 and advantages[i, :prompt].abs().sum() == 0
+
+
+def test_gae_hand_computed():
+    # r = [0, 1], V = [0.5, 0.25], γ = 1, λ = 0.5: δ1 = 1 − 0.25 = 0.75, δ0 = 0 + 0.25 − 0.5 = −0.25,
+    # A1 = 0.75, A0 = −0.25 + 0.5·0.75 = 0.125; R = A + V = [0.625, 1.0]
+    a, r = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.25]]), torch.ones(1, 2), 1.0, 0.5)
+    assert a.tolist() == [[0.125, 0.75]] and r.tolist() == [[0.625, 1.0]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-50, 50), min_size=1, max_size=40), st.lists(st.floats(-50, 50), min_size=1, max_size=40))
+def test_running_moments_equal_numpy_over_all_data(first, second):
+    moments = RunningMoments()
+    moments.update(torch.tensor(first, dtype=torch.float64))
+    moments.update(torch.tensor(second, dtype=torch.float64))
+    everything = np.array(first + second)
+    assert moments.count == len(everything)
+    assert moments.mean == pytest.approx(everything.mean(), abs=1e-9)
+    assert moments.var == pytest.approx(everything.var(), rel=1e-7, abs=1e-7)
+
+
+def test_parallel_merge_of_two_halves_equals_the_whole():
+    rng = np.random.default_rng(0)
+    data = rng.normal(3.0, 2.0, size=1000)
+    left, right = RunningMoments(), RunningMoments()
+    left.update(torch.tensor(data[:300]))
+    right.update(torch.tensor(data[300:]))
+    left.merge(right.mean, right.var, right.count)
+    assert left.mean == pytest.approx(data.mean()) and left.var == pytest.approx(data.var())
+    # The all-reduce path: two "ranks" summing [n, Σx, Σx²] see the statistics of all of it.
+    halves = [data[:300], data[300:]]
+    summed = lambda sums: [sum(h.size for h in halves), sum(h.sum() for h in halves), sum((h * h).sum() for h in halves)]
+    merged = RunningMoments()
+    merged.update(torch.tensor(halves[0]), all_reduce_sum=summed)
+    assert merged.mean == pytest.approx(data.mean()) and merged.var == pytest.approx(data.var())
+
+
+def test_score_reparameterisation():
+    moments = RunningMoments(mean=1.0, var=4.0, count=10)
+    scores = torch.tensor([1.0, 3.0, 11.0])
+    assert reparameterise_scores(scores, moments, "none", 0.5).tolist() == [1.0, 3.0, 11.0]
+    assert reparameterise_scores(scores, moments, "scale", 0.5).tolist() == [0.5, 1.5, 5.5]
+    assert reparameterise_scores(scores, moments, "normalise", 2.0).tolist() == [0.0, 1.0, 2.0]  # 5.0 clipped
+
+
+def test_eos_penalty_replaces_scores_of_unfinished_responses():
+    scores = torch.tensor([0.3, -0.2, 1.5])
+    ended = torch.tensor([True, False, True])
+    assert apply_eos_penalty(scores, ended, -1.0).tolist() == pytest.approx([0.3, -1.0, 1.5])
+    assert apply_eos_penalty(scores, ended, None) is scores
+
+
+def test_k1_and_k3_hand_computed():
+    logp = torch.tensor([math.log(0.5), math.log(0.2)])
+    ref = torch.tensor([math.log(0.25), math.log(0.4)])
+    # k1 = log π − log π_ref = [log 2, log 0.5]
+    assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([math.log(2), math.log(0.5)])
+    # k3 = (ρ − 1) − log ρ, ρ = π_ref/π = [0.5, 2]: [−0.5 + log 2, 1 − log 2]
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([-0.5 + math.log(2), 1 - math.log(2)])
+
+
+def test_token_rewards_with_left_padded_prompts_and_post_eos_padding():
+    # Row 0: 2 pad, 2 prompt, 3 response tokens. Row 1: 0 pad, 4 prompt, 1 response token, 2 pads after EOS.
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 0, 0]], dtype=torch.float32)
+    logp = torch.full((2, 7), -1.0)
+    ref = torch.full((2, 7), -1.5)  # k1 = 0.5 on every token
+    rewards, kl = token_rewards(torch.tensor([2.0, -1.0]), logp, ref, mask, kl_coef=0.1, kl_kind="k1")
+    assert rewards[0].tolist() == pytest.approx([0, 0, 0, 0, -0.05, -0.05, 2.0 - 0.05])
+    assert rewards[1].tolist() == pytest.approx([0, 0, 0, 0, -1.0 - 0.05, 0, 0])
+    assert kl.sum().item() == pytest.approx(0.5 * 4)
+
+
+def test_policy_loss_hand_computed():
+    # ρ = [1.5, 0.5], A = [1, 1], ε = 0.2: min(ρA, clip(ρ)A) = [1.2, 0.5] → loss −0.85; one of two clipped
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[1.5, 0.5]]))
+    loss, stats = policy_loss(new, old, torch.ones(1, 2), torch.ones(1, 2), clip_eps=0.2)
+    assert loss.item() == pytest.approx(-0.85)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+    assert stats["ratio"].item() == pytest.approx(1.0)
+    # A = −1: min(−ρ, −clip(ρ)) = [−1.5, −0.8] → loss 1.15; the second token is clipped
+    loss, stats = policy_loss(new, old, -torch.ones(1, 2), torch.ones(1, 2), clip_eps=0.2)
+    assert loss.item() == pytest.approx(1.15) and stats["clipfrac"].item() == pytest.approx(0.5)
+    # vanilla: −mean(ρA) = −1.0; masked tokens do not count
+    loss, _ = policy_loss(new, old, torch.ones(1, 2), torch.tensor([[1.0, 0.0]]), clip_eps=None)
+    assert loss.item() == pytest.approx(-1.5)
+
+
+def test_value_loss_hand_computed():
+    # V = [1.0, 0.0], V_old = [0.5, 0.5], R = [0.0, 1.0], ε_v = 0.2:
+    # unclipped (V−R)² = [1, 1]; clipped V = [0.7, 0.3] → (0.7)², (0.7)² = [0.49, 0.49]; max = [1, 1] → 0.5
+    v, v_old, r = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]]), torch.tensor([[0.0, 1.0]])
+    loss, stats = value_loss(v, v_old, r, torch.ones(1, 2), clip_eps=0.2)
+    assert loss.item() == pytest.approx(0.5) and stats["clipfrac"].item() == 0.0
+    # R = [1.2, −0.2]: unclipped [0.04, 0.04]; clipped [(0.7−1.2)², (0.3+0.2)²] = [0.25, 0.25] → 0.125
+    loss, stats = value_loss(v, v_old, torch.tensor([[1.2, -0.2]]), torch.ones(1, 2), clip_eps=0.2)
+    assert loss.item() == pytest.approx(0.125) and stats["clipfrac"].item() == 1.0
+    loss, _ = value_loss(v, v_old, torch.tensor([[1.2, -0.2]]), torch.ones(1, 2), clip_eps=None)
+    assert loss.item() == pytest.approx(0.02)
+
+
+def test_whitening_and_entropy():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = masked_whiten(x, mask)
+    assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-4) and w[0, 3] == 0
+    uniform = torch.zeros(1, 1, 4)
+    assert entropy_from_logits(uniform).item() == pytest.approx(math.log(4))
