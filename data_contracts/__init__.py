@@ -1,4 +1,10 @@
 """Great Expectations suites, one per handoff between stages, and the gate that runs them.
 
-Depends on `stages/` (the probe data frames stages produce); nothing in `stages/` imports this.
+Depends on `stages/` (the probe data frames stages produce); nothing in `stages/` imports this,
+and nothing here imports Prefect.
 """
+
+from data_contracts.gate import HANDOFFS, ContractError, GateReport, check_handoff, gate, validate
+from data_contracts.suites import SUITES
+
+__all__ = ["HANDOFFS", "SUITES", "ContractError", "GateReport", "check_handoff", "gate", "validate"]

@@ -108,8 +108,154 @@ class SFTConfig(_Section):
     max_seq_len: int = 512
     max_response_len: int = 256
     eval_examples: int = 64  # held-out (eval-prompts split, chosen answers) for perplexity
+    # Held-out probe for the SFT contract: greedy responses to this many eval prompts.
+    probe_prompts: int = 16
+    probe_max_new_tokens: int = 64
     log_every: int = 1
     gradient_checkpointing: bool = False
+    seed: int = 42
+    launch: LaunchConfig = LaunchConfig()
+
+
+class RewardConfig(_Section):
+    """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
+
+    lr: float = 5e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    epochs: int = 1
+    max_steps: int | None = None  # optimiser steps; caps the epochs
+    beta_rm: float = 1.0  # weight of the LM loss on the chosen answer (paper: 1)
+    dynamic_batching: bool = True  # False: fixed_pairs pairs per batch
+    token_budget: int = 16384  # padded tokens per batch and rank: pairs × 2 × longest answer
+    min_pairs: int = 4  # pairs per batch, paper: 4 to 128
+    max_pairs: int = 128
+    fixed_pairs: int = 8  # pairs per batch and rank when dynamic_batching is off
+    max_seq_len: int = 512
+    max_response_len: int = 256
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0
+    eval_pairs: int = 256  # held-out pairs (rm_eval split) for accuracy, margins, score statistics
+    log_every: int = 1
+    seed: int = 42
+    launch: LaunchConfig = LaunchConfig()
+
+
+class RawPairsContract(_Section):
+    """Raw-pairs contract, judged on every row of the source file before anything is dropped.
+
+    Each row rule (non-empty answers, chosen ≠ rejected, one prompt for both answers, answer
+    length, distinct prompts) may break on at most `max_invalid_fraction` of the rows (GX
+    `mostly`); with `data.drop_invalid: false` the tolerance is 0: every dirty row fails.
+    """
+
+    max_invalid_fraction: float = 0.01
+    max_duplicate_fraction: float = 0.01  # rows whose prompt also appears on another row
+    max_answer_chars: int = 20000
+    min_rows: int = 1
+
+
+class SFTContract(_Section):
+    """SFT contract, on the stage's held-out probe (greedy responses to eval prompts)."""
+
+    require_perplexity_drop: bool = True  # held-out perplexity after < before (the base model's)
+    max_final_train_loss: float = 20.0
+    min_eos_rate: float = 0.5  # fraction of probe responses that end with EOS
+    min_mean_response_tokens: float = 1.0
+    max_mean_response_tokens: float = 1e9
+
+
+class ContractsConfig(_Section):
+    """Great Expectations gates between stages (data_contracts/): thresholds per handoff."""
+
+    mode: Literal["stop", "warn"] = "stop"  # stop: a failed gate fails the flow; warn: report, go on
+    max_examples: int = 5  # example rows named in a failure message
+    raw_pairs: RawPairsContract = RawPairsContract()
+    sft: SFTContract = SFTContract()
+
+
+class GenerationConfig(_Section):
+    """Sampling for rollouts (paper's code: temperature 0.8, top-p 0.9, 128 new tokens)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_p: float = 0.9
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+
+# The paper's switches. `ppo.preset` picks a column; any switch set explicitly wins.
+PPO_PRESETS = {
+    "ppo-max": {"score_mode": "normalise", "kl_penalty": True, "whiten_advantages": True, "value_clip": True,
+                "global_grad_clip": True, "ptx": True, "eos_penalty": True},
+    "vanilla": {"score_mode": "none", "kl_penalty": False, "whiten_advantages": True, "value_clip": False,
+                "global_grad_clip": False, "ptx": False, "eos_penalty": False},
+}
+
+
+class PPOConfig(_Section):
+    """PPO-max (paper §5.3–5.4). Switches left at None follow `preset`."""
+
+    preset: Literal["ppo-max", "vanilla"] = "ppo-max"
+    score_mode: Literal["none", "scale", "normalise"] | None = None  # r, r/σ, clip((r−μ)/σ, ±δ)
+    kl_penalty: bool | None = None  # token-level −β·KL in the reward (eq. 1–2)
+    whiten_advantages: bool | None = None
+    value_clip: bool | None = None  # clipped value loss with ε_v
+    global_grad_clip: bool | None = None  # one gradient-norm clip over actor and critic
+    ptx: bool | None = None  # PPO-ptx: + λ_ptx · LM loss on SFT data
+    eos_penalty: bool | None = None  # a response without EOS scores `eos_penalty_score`
+
+    iterations: int = 100
+    rollout_batch_size: int = 128  # prompts per iteration and rank (paper: small buffer of 128)
+    minibatch_size: int = 32  # paper: train batch 32
+    ppo_epochs: int = 1
+    actor_lr: float = 5e-7  # paper §5.1 (7B)
+    critic_lr: float = 1.65e-6
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    warmup_iterations: int = 0  # critic pre-training replaces warm-up (paper §5.4)
+    kl_coef: float = 0.05  # β, paper Fig. 7
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2  # ε of the clipped surrogate
+    value_clip_eps: float = 0.2  # ε_v
+    score_clip: float = 10.0  # δ (paper's code: reward_clip 10)
+    advantage_clip: float | None = None  # paper's code: 0.5 when its advantage-clip switch is on
+    eos_penalty_score: float = -1.0
+    ptx_coef: float = 0.5  # λ_ptx
+    ptx_batch_size: int = 4
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    reward: str = "rm"  # `rm`, or a rule such as `char_fraction:e` (tests, reward debugging)
+    max_prompt_len: int = 256
+    generation: GenerationConfig = GenerationConfig()
+    eval_every: int = 10  # held-out evaluation (RM score, length, perplexity, KL) every N iterations
+    eval_prompts: int = 32
+    samples_every: int = 10  # sample-completions table and reward histogram every N iterations
+    checkpoint_every: int = 10
+    seed: int = 42
+    launch: LaunchConfig = LaunchConfig()
+
+    def switches(self) -> dict:
+        """The effective switches: the preset's, overridden by those set explicitly."""
+        chosen = dict(PPO_PRESETS[self.preset])
+        for name in chosen:
+            if getattr(self, name) is not None:
+                chosen[name] = getattr(self, name)
+        return chosen
+
+
+class CriticConfig(_Section):
+    """Critic pre-training (paper §5.4): value head on the reward model, trained on rollouts of
+    the frozen SFT policy with PPO's GAE returns, until the value loss is low or a step cap."""
+
+    lr: float = 1.65e-6
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_steps: int = 50  # optimiser steps (one per minibatch)
+    value_loss_threshold: float = 0.05  # stop once a whole rollout's mean value loss is below
+    rollout_batch_size: int = 64
+    minibatch_size: int = 16
+    max_grad_norm: float = 1.0
     seed: int = 42
     launch: LaunchConfig = LaunchConfig()
 
@@ -121,6 +267,10 @@ class PipelineConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sft: SFTConfig = SFTConfig()
+    reward: RewardConfig = RewardConfig()
+    critic: CriticConfig = CriticConfig()
+    ppo: PPOConfig = PPOConfig()
+    contracts: ContractsConfig = ContractsConfig()
 
     def section_hash(self, *sections: str) -> str:
         """Hash of the given sections: what a stage's output depends on besides its inputs."""

@@ -71,9 +71,11 @@ def parse_pair(record: dict, source: str) -> tuple[dict, list[str]]:
     return pair, broken
 
 
-def load_pairs(cfg: PipelineConfig) -> tuple[str, list[dict], list[dict]]:
+def load_pairs(cfg: PipelineConfig, records: list[dict] | None = None, source: str | None = None
+               ) -> tuple[str, list[dict], list[dict]]:
     """(source, clean pairs, dropped rows with their reasons)."""
-    source, records = read_records(cfg.data.pairs, cfg.data)
+    if records is None:
+        source, records = read_records(cfg.data.pairs, cfg.data)
     if not records:
         raise DataError(source, None, "no rows")
     pairs, dropped = [], []
@@ -127,6 +129,33 @@ def splits_digest(splits: dict[str, list[dict]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Probe frames for the data contracts (data_contracts/): one row per source row, `row` = line number
+
+
+def raw_pairs_frame(records: list[dict]) -> "pd.DataFrame":
+    """Every raw row, before anything is dropped: the prompt of each answer and the answers.
+    Call after `load_pairs` (which rejects rows that are not HH dialogues at all)."""
+    import pandas as pd
+
+    rows = []
+    for record in records:
+        prompt, chosen = split_dialogue(record["chosen"])
+        rejected_prompt, rejected = split_dialogue(record["rejected"])
+        rows.append({"row": record["_row"], "prompt": prompt, "rejected_prompt": rejected_prompt,
+                     "chosen": chosen, "rejected": rejected})
+    return pd.DataFrame(rows, columns=["row", "prompt", "rejected_prompt", "chosen", "rejected"])
+
+
+def splits_frame(splits: dict[str, list[dict]]) -> "pd.DataFrame":
+    """All split rows with their split name."""
+    import pandas as pd
+
+    rows = [{"row": r["row"], "split": name, "prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+            for name, split_rows in splits.items() for r in split_rows]
+    return pd.DataFrame(rows, columns=["row", "split", "prompt", "chosen", "rejected"])
+
+
+# ----------------------------------------------------------------------------------------------
 # Rendering prompts for a tokenizer
 
 
@@ -158,7 +187,8 @@ def encode_example(tokenizer, messages: list[dict], response: str, max_seq_len: 
 
 def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     """Parse, clean and split the pairs; log the splits as artifacts and MLflow inputs."""
-    source, pairs, dropped = load_pairs(cfg)
+    source, records = read_records(cfg.data.pairs, cfg.data)
+    source, pairs, dropped = load_pairs(cfg, records, source)
     splits = make_splits(pairs, cfg)
     out = tracker.workdir / "splits"
     for name, rows in splits.items():
@@ -174,4 +204,11 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     tracker.log_artifacts(out, "splits")
     for name, rows in splits.items():
         tracker.log_input_rows(rows, name=name, source=source, digest=digest, context=name)
-    return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source}
+    probes = tracker.workdir / "contracts"
+    probes.mkdir(parents=True, exist_ok=True)
+    raw_pairs_frame(records).to_parquet(probes / "raw_pairs.parquet", index=False)
+    splits_frame(splits).to_parquet(probes / "splits.parquet", index=False)
+    tracker.log_artifacts(probes, "contracts")
+    return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source,
+            "data_run": tracker.run_id, "raw_pairs_probe": tracker.artifact_uri("contracts/raw_pairs.parquet"),
+            "splits_probe": tracker.artifact_uri("contracts/splits.parquet")}

@@ -23,9 +23,11 @@ from stages.config import PipelineConfig, deepspeed_config_path
 # Stage name → module, in pipeline order. Each module has `run(cfg, tracker, inputs, dist)`
 # returning its outputs, and may have `prepare(cfg, inputs)`: work done once, in the launching
 # process, before any rank starts (materialising a base model, downloading inputs).
-STAGE_MODULES = {"data": "stages.data", "sft": "stages.sft"}
+STAGE_MODULES = {"data": "stages.data", "sft": "stages.sft", "reward": "stages.reward", "critic": "stages.critic",
+                 "ppo": "stages.ppo.stage"}
 # What each stage reads from earlier stages' outputs.
-STAGE_INPUTS = {"data": [], "sft": ["splits"]}
+STAGE_INPUTS = {"data": [], "sft": ["splits"], "reward": ["splits", "sft_model"],
+                "critic": ["splits", "sft_model", "reward_model"], "ppo": ["splits", "sft_model", "reward_model"]}
 
 
 class StageLaunchError(RuntimeError):
@@ -38,6 +40,7 @@ class Dist:
     world_size: int = 1
     deepspeed_config: dict | None = None
     device: str = "cpu"
+    workdir: Path | None = None  # the stage's local folder (checkpoints), the same on every rank
 
     @property
     def is_main(self) -> bool:
@@ -165,7 +168,7 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
         inputs = {**inputs, **module.prepare(cfg, inputs)}
     launch = getattr(getattr(cfg, stage, None), "launch", None)
     if launch is None or (launch.world_size == 1 and launch.deepspeed is None):
-        return module.run(cfg, tracker, inputs, Dist())
+        return module.run(cfg, tracker, inputs, Dist(workdir=tracker.workdir))
     spec_path = tracker.workdir / "launch.json"
     out_path = tracker.workdir / "outputs.json"
     out_path.unlink(missing_ok=True)
@@ -222,7 +225,8 @@ def _rank_main(spec_path: str) -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     ds_config = _resolve_deepspeed_config(launch.deepspeed or "zero2")
-    dist = Dist(rank=rank, world_size=world_size, deepspeed_config=ds_config, device=device)
+    dist = Dist(rank=rank, world_size=world_size, deepspeed_config=ds_config, device=device,
+                workdir=Path(spec["workdir"]))
     tracker = None
     if dist.is_main:
         from stages import tracking

@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -78,6 +79,38 @@ def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+@torch.no_grad()
+def generation_probe(model, tokenizer, rows: list[dict], max_new_tokens: int, max_prompt_len: int) -> list[dict]:
+    """Greedy responses to held-out prompts: per response its length in tokens and whether it
+    ended with EOS (what the SFT contract judges). One left-padded batch."""
+    from stages.data import render_prompt
+
+    if not rows:
+        return []
+    was_training, use_cache = model.training, model.config.use_cache
+    model.eval()
+    model.config.use_cache = True
+    sides = tokenizer.padding_side, tokenizer.truncation_side
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    try:
+        prompts = [render_prompt(tokenizer, r["messages"]) for r in rows]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_len,
+                          add_special_tokens=False).to(model.device)
+        out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = sides
+        model.config.use_cache = use_cache
+        model.train(was_training)
+    probe = []
+    for row, ids in zip(rows, out[:, batch["input_ids"].shape[1]:].tolist()):
+        eos = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else None
+        tokens = ids[: eos + 1] if eos is not None else [t for t in ids if t != tokenizer.pad_token_id]
+        probe.append({"row": row["row"], "response": tokenizer.decode(tokens, skip_special_tokens=True),
+                      "response_tokens": len(tokens), "ended_with_eos": eos is not None})
+    return probe
+
+
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     """Once, before the ranks start: local copies of the splits and of the base model."""
     splits_dir = tracking.download(inputs["splits"])
@@ -130,6 +163,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     engine.train()
     progress = tqdm(total=total_steps, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
     step, started = 0, time.perf_counter()
+    final_train_loss = float("nan")
     while step < total_steps:
         order = list(range(len(train_set)))
         order_rng.shuffle(order)
@@ -149,6 +183,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             seq_tokens = sum(len(train_set[i][0]) for i in mine)
             loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
             step += 1
+            final_train_loss = loss_sum / max(tokens, 1)
             elapsed = time.perf_counter() - step_started
             if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
                 tracker.log_metrics({
@@ -174,7 +209,22 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         engine.module.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         tracker.log_artifacts(out, "model")
+        # Held-out probe for the SFT contract, on the saved weights (whatever engine trained them).
+        probe_started = time.perf_counter()
+        probe_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
+        probe = generation_probe(sources.load_model(str(out), cfg.model), tokenizer, probe_rows,
+                                 sft.probe_max_new_tokens, sft.max_seq_len)
         shutil.rmtree(out)  # the MLflow artifact is the copy that counts
+        probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])
+        probe_frame["perplexity_before"], probe_frame["perplexity_after"] = ppl_before, ppl_after
+        probe_frame["final_train_loss"] = final_train_loss
+        probe_dir = tracker.workdir / "contracts"
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        probe_frame.to_parquet(probe_dir / "sft_probe.parquet", index=False)
+        tracker.log_artifacts(probe_dir, "contracts")
+        tracker.log_metrics({"probe/eos_rate": float(probe_frame["ended_with_eos"].mean()) if probe else 0.0,
+                             "probe/mean_response_tokens": float(probe_frame["response_tokens"].mean()) if probe else 0.0,
+                             "probe/seconds": time.perf_counter() - probe_started}, step=step)
         lineage = {
             "rlhf.input.base_model": cfg.model.name_or_path,
             "rlhf.input.splits": inputs["splits"],
@@ -186,6 +236,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.perplexity_after": f"{ppl_after:.4f}",
         }
         version = tracker.register("sft", "model", cfg.registry_prefix, lineage)
-        outputs = {"sft_model": version, "sft_model_artifact": tracker.artifact_uri("model")}
+        outputs = {"sft_model": version, "sft_model_artifact": tracker.artifact_uri("model"),
+                   "sft_run": tracker.run_id, "sft_probe": tracker.artifact_uri("contracts/sft_probe.parquet")}
     dist.barrier()
     return outputs

@@ -19,6 +19,7 @@ from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
 
 PIPELINE_TAG = "rlhf.kind"
 OUTPUTS_TAG = "rlhf.outputs"
+CONTRACT_TAG = "rlhf.contract"  # passed | failed, set by the gate after the stage (data_contracts)
 
 
 def tracking_uri() -> str:
@@ -190,6 +191,18 @@ class PipelineRun:
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         return cls(mlflow_client, run.info.run_id, cfg)
 
+    @classmethod
+    def reopen(cls, cfg: PipelineConfig, run_id: str) -> PipelineRun:
+        """Continue a pipeline run that failed or was killed: same run, same working folders
+        (so a training stage finds its checkpoints)."""
+        mlflow_client = client()
+        for stage in stage_runs(run_id):
+            if stage.info.status == "RUNNING":  # its process died: the run never finished
+                mlflow_client.set_terminated(stage.info.run_id, status="KILLED")
+        mlflow_client.update_run(run_id, status="RUNNING")
+        mlflow_client.set_tag(run_id, "rlhf.resumed", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        return cls(mlflow_client, run_id, cfg)
+
     @property
     def workdir(self) -> Path:
         return rlhf_home() / "runs" / self.run_id
@@ -216,13 +229,31 @@ def stage_runs(pipeline_run_id: str) -> list:
     )
 
 
+def finished_stages(pipeline_run_id: str) -> set[str]:
+    return {run.data.tags["rlhf.stage"] for run in stage_runs(pipeline_run_id)
+            if run.info.status == "FINISHED" and OUTPUTS_TAG in run.data.tags}
+
+
 def outputs_of(pipeline_run_id: str) -> dict[str, str]:
     """Everything the finished stages of an earlier pipeline run produced (URIs by name)."""
     merged: dict[str, str] = {}
     for run in reversed(stage_runs(pipeline_run_id)):  # oldest first: later stages win
-        if run.info.status == "FINISHED" and OUTPUTS_TAG in run.data.tags:
+        tags = run.data.tags
+        if tags.get(CONTRACT_TAG) == "failed" and tags.get(f"{CONTRACT_TAG}_mode", "stop") == "stop":
+            continue  # its gate stopped the pipeline: its outputs feed nothing
+        if run.info.status == "FINISHED" and OUTPUTS_TAG in tags:
             merged.update(json.loads(run.data.tags[OUTPUTS_TAG]))
     return merged
+
+
+def resume_plan(pipeline_run_id: str) -> tuple[dict[str, str], list[str]]:
+    """(inputs, stages still to run) of a pipeline run being resumed: the outputs of the run it
+    was started from, then its own finished stages' outputs; its stages not finished yet."""
+    tags = client().get_run(pipeline_run_id).data.tags
+    inputs = outputs_of(tags["rlhf.from_run"]) if tags.get("rlhf.from_run") else {}
+    inputs.update(outputs_of(pipeline_run_id))
+    done = finished_stages(pipeline_run_id)
+    return inputs, [name for name in tags.get("rlhf.stages", "").split(",") if name and name not in done]
 
 
 def latest_pipeline_run(cfg: PipelineConfig) -> str | None:

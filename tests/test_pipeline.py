@@ -14,7 +14,7 @@ from stages.config import REPO_ROOT, load_config
 def tiny_run(prefect_server):
     from flows.rlhf import rlhf
 
-    return rlhf(preset="tiny", overrides={"sft.epochs": 1})
+    return rlhf(preset="tiny", overrides={"sft.epochs": 1}, stages=["data", "sft"])
 
 
 def test_pipeline_registers_an_sft_model_that_lowers_perplexity(tiny_run):

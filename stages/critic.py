@@ -1,0 +1,95 @@
+"""Critic pre-training (paper §5.3.3, §5.4): the critic starts as the reward model (its scalar
+head read at every token) and learns values on rollouts of the frozen SFT policy, with exactly
+PPO's reward shaping and GAE returns, until its value loss is below a threshold or a step cap.
+This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from stages import tracking
+from stages.config import PipelineConfig
+from stages.data import read_jsonl
+from stages.launch import Dist
+from stages.ppo.stage import encode_prompts, initial_moments, load_models
+from stages.ppo.trainer import PPOTrainer
+from stages.reward.model import save_reward_model
+
+
+def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+    return {"splits_dir": str(tracking.download(inputs["splits"])),
+            "sft_model_dir": str(tracking.download(inputs["sft_model"])),
+            "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    critic_cfg = cfg.critic
+    torch.manual_seed(critic_cfg.seed)
+    tokenizer, policy, _, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
+    prompts = encode_prompts(tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"), cfg.ppo.max_prompt_len)
+    # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr.
+    ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
+                                     "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
+                                     "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
+                                     "warmup_iterations": 0, "ppo_epochs": 1})
+    # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
+    trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
+                         ptx_examples=[], tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model),
+                         train_actor=False)
+    steps_per_rollout = -(-ppo.rollout_batch_size // ppo.minibatch_size)
+    max_rollouts = -(-critic_cfg.max_steps // steps_per_rollout)
+    if dist.is_main:
+        tracker.log_params({"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": max_rollouts,
+                            "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
+                            "critic.switches": trainer.switches})
+
+    progress = tqdm(total=max_rollouts, desc="critic", disable=not dist.is_main, dynamic_ncols=True)
+    started, converged = time.perf_counter(), False
+    while trainer.iteration < max_rollouts and not converged:
+        metrics = trainer.step()
+        keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
+                "objective/scores_shaped", "reward/running_mean", "reward/running_std", "policy/response_length",
+                "time/rollout", "time/train")
+        if dist.is_main:
+            tracker.log_metrics({f"critic/{k.split('/')[-1]}" if k.startswith(("loss", "val")) else k: metrics[k]
+                                 for k in keep}, step=trainer.iteration * steps_per_rollout)
+        converged = metrics["loss/value_avg"] < critic_cfg.value_loss_threshold
+        progress.update(1)
+        progress.set_postfix(value_loss=f"{metrics['loss/value_avg']:.4f}",
+                             explained_variance=f"{metrics['val/explained_variance']:.3f}")
+    progress.close()
+
+    outputs: dict = {}
+    if dist.is_main:
+        tracker.log_metrics({"critic/final_value_loss": metrics["loss/value_avg"],
+                             "critic/final_explained_variance": metrics["val/explained_variance"],
+                             "critic/converged": float(converged), "critic/rollouts": trainer.iteration,
+                             "critic/train_seconds": time.perf_counter() - started}, step=trainer.iteration * steps_per_rollout)
+        out = tracker.workdir / "model"
+        critic_model = trainer.critic.module
+        critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
+        save_reward_model(critic_model, tokenizer, out, {"role": "critic", "value_loss": metrics["loss/value_avg"],
+                                                          "explained_variance": metrics["val/explained_variance"]})
+        tracker.log_artifacts(out, "model")
+        shutil.rmtree(out)
+        lineage = {
+            "rlhf.input.reward_model": inputs["reward_model"],
+            "rlhf.input.sft_model": inputs["sft_model"],
+            "rlhf.input.splits": inputs["splits"],
+            "rlhf.data_digest": inputs.get("data_digest", ""),
+            "rlhf.git_commit": tracking.git_commit(),
+            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward", "critic", "ppo"),
+            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            "rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
+            "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}",
+        }
+        version = tracker.register("critic", "model", cfg.registry_prefix, lineage)
+        outputs = {"critic_model": version, "critic_model_artifact": tracker.artifact_uri("model"),
+                   "critic_run": tracker.run_id}
+    dist.barrier()
+    return outputs

@@ -1,0 +1,103 @@
+"""PPO checkpoints (design §4.7): actor, critic, both optimisers and schedulers, running moments,
+RNG states, data cursor and iteration — written atomically, verified before loading.
+
+Layout: `<dir>/iter-000010/` holding `manifest.json` (sha256 of every file) and the files; a
+checkpoint is written into a temporary folder and renamed into place, so a crash mid-write leaves
+no folder that looks complete. Loading takes the newest folder whose manifest verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _engine_states(trainer) -> dict[str, object]:
+    engines = {"critic": trainer.critic}
+    if trainer.train_actor:
+        engines["actor"] = trainer.actor
+    return engines
+
+
+def save(trainer, directory: Path, keep: int = 2) -> Path:
+    """Write a checkpoint of `trainer` at its current iteration (collective under DeepSpeed);
+    keep the newest `keep` checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"iter-{trainer.iteration:06d}"
+    tmp = directory / f".tmp-iter-{trainer.iteration:06d}"
+    if trainer.dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    trainer.dist.barrier()
+    for name, engine in _engine_states(trainer).items():
+        if trainer.dist.deepspeed_config is not None:
+            engine.save_checkpoint(str(tmp / name), tag="state")  # every rank writes its shards
+        elif trainer.dist.is_main:
+            weights = {k: v.detach().contiguous().clone() for k, v in engine.module.state_dict().items()}
+            save_file(weights, str(tmp / f"{name}.safetensors"))
+            torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.lr_scheduler.state_dict()},
+                       tmp / f"{name}.optim.pt")
+    trainer.dist.barrier()
+    if trainer.dist.is_main:
+        torch.save(trainer.state(), tmp / "trainer.pt")
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {"iteration": trainer.iteration, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in sorted(directory.glob("iter-*"))[:-keep]:
+            shutil.rmtree(old)
+    trainer.dist.barrier()
+    return final
+
+
+def verified(folder: Path) -> bool:
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        return all((folder / name).exists() and _sha256(folder / name) == digest
+                   for name, digest in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest checkpoint that verifies (half-written or corrupted ones are skipped)."""
+    if not directory.exists():
+        return None
+    for folder in sorted(directory.glob("iter-*"), reverse=True):
+        if verified(folder):
+            return folder
+    return None
+
+
+def load(trainer, folder: Path) -> None:
+    """Restore `trainer` from a checkpoint folder written by `save`."""
+    for name, engine in _engine_states(trainer).items():
+        if trainer.dist.deepspeed_config is not None:
+            engine.load_checkpoint(str(folder / name), tag="state")
+        else:
+            engine.module.load_state_dict(load_file(str(folder / f"{name}.safetensors")))
+            states = torch.load(folder / f"{name}.optim.pt", weights_only=True)
+            engine.optimizer.load_state_dict(states["optimizer"])
+            engine.lr_scheduler.load_state_dict(states["scheduler"])
+    trainer.load_state(torch.load(folder / "trainer.pt", weights_only=True))

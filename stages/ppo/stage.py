@@ -1,0 +1,181 @@
+"""The PPO stage: actor and reference from the SFT model, reward model and critic (pre-trained,
+else initialised from the reward model), PPO-max iterations with checkpoints, held-out
+evaluation, sample tables; the final policy registered as <prefix>-policy."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from stages import sources, tracking
+from stages.config import PipelineConfig
+from stages.data import encode_example, read_jsonl, render_prompt
+from stages.launch import Dist
+from stages.ppo import checkpoint
+from stages.ppo.advantages import masked_mean
+from stages.ppo.experience import make_experience, reward_model_scores, rule_scores
+from stages.ppo.rewards import RunningMoments
+from stages.ppo.trainer import PPOTrainer
+from stages.reward.model import load_reward_model
+
+
+def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+    """Once, before the ranks start: local copies of the splits and of every model."""
+    local = {"splits_dir": str(tracking.download(inputs["splits"])),
+             "sft_model_dir": str(tracking.download(inputs["sft_model"])),
+             "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
+    if inputs.get("critic_model"):
+        local["critic_model_dir"] = str(tracking.download(inputs["critic_model"]))
+    return local
+
+
+def encode_prompts(tokenizer, rows: list[dict], max_prompt_len: int) -> list[list[int]]:
+    """Prompt token ids, the oldest turns cut when longer than max_prompt_len."""
+    return [tokenizer(render_prompt(tokenizer, r["messages"]), add_special_tokens=False)["input_ids"][-max_prompt_len:]
+            for r in rows]
+
+
+def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist):
+    """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode."""
+    sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
+    tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
+    actor = sources.load_model(sft_dir, cfg.model).to(dist.device)
+    sources.align_pad_token(actor, tokenizer)
+    reference = sources.load_model(sft_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
+    reward_model = load_reward_model(rm_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
+    critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
+    score_fn = reward_model_scores(reward_model) if cfg.ppo.reward == "rm" else rule_scores(tokenizer, cfg.ppo.reward)
+    return tokenizer, actor, reference, reward_model, critic, score_fn
+
+
+def initial_moments(reward_model) -> RunningMoments:
+    """Running score statistics start from the reward model's held-out mean and std."""
+    return RunningMoments(mean=reward_model.score_mean, var=reward_model.score_std**2, count=1.0)
+
+
+@torch.no_grad()
+def evaluate(trainer: PPOTrainer, prompts: list[list[int]]) -> dict[str, float]:
+    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT."""
+    exp = make_experience(trainer.actor.module, trainer.reference, trainer.critic.module, trainer.score_fn, prompts,
+                          eos_id=trainer.eos_id, pad_id=trainer.pad_id,
+                          generation=trainer.ppo.generation.model_dump(), device=trainer.dist.device)
+    mask = exp.response_mask
+    metrics = {
+        "eval/score": exp.scores.mean().item(),
+        "eval/response_length": mask.sum(1).mean().item(),
+        "eval/perplexity": torch.exp(-masked_mean(exp.logprobs, mask)).item(),
+        "eval/kl": ((exp.logprobs - exp.ref_logprobs) * mask).sum(1).mean().item(),
+        "eval/eos_rate": exp.ended_with_eos.float().mean().item(),
+    }
+    return dict(zip(metrics, [v / trainer.dist.world_size for v in trainer.dist.all_reduce_sum(list(metrics.values()))]))
+
+
+def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:
+    exp = trainer.last_experience
+    width = exp.prompt_width
+    return pd.DataFrame({
+        "prompt": tokenizer.batch_decode(exp.sequences[:, :width], skip_special_tokens=True),
+        "response": tokenizer.batch_decode(exp.sequences[:, width:], skip_special_tokens=True),
+        "score": exp.scores.tolist(),
+        "ended_with_eos": exp.ended_with_eos.tolist(),
+    })
+
+
+def score_histogram(scores: list[float], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.hist(scores, bins=20, color="#4c72b0")
+    ax.set_xlabel("reward-model score r(x, y)")
+    ax.set_ylabel("responses")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    ppo = cfg.ppo
+    torch.manual_seed(ppo.seed)
+    splits_dir = Path(inputs["splits_dir"])
+    tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
+    prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "ppo_prompts.jsonl"), ppo.max_prompt_len)
+    eval_prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.eval_prompts],
+                                  ppo.max_prompt_len)[dist.rank :: dist.world_size]
+    ptx = [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len, cfg.sft.max_response_len)
+           for r in read_jsonl(splits_dir / "sft.jsonl")]
+    trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
+                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model))
+
+    checkpoints = dist.workdir / "checkpoints"
+    resume_from = checkpoint.latest(checkpoints)
+    if resume_from is not None:
+        checkpoint.load(trainer, resume_from)
+    if dist.is_main:
+        tracker.log_params({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
+                            "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
+                            "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
+                            "ppo.critic_model": inputs.get("critic_model", "reward model")}
+                           if resume_from is None else {})
+        tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
+
+    if trainer.iteration == 0:  # the SFT policy's held-out numbers: the baseline of every curve
+        baseline = evaluate(trainer, eval_prompts)
+        if dist.is_main:
+            tracker.log_metrics(baseline, step=0)
+    progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
+                    disable=not dist.is_main, dynamic_ncols=True)
+    started = time.perf_counter()
+    while trainer.iteration < ppo.iterations:
+        metrics = trainer.step()
+        it = trainer.iteration
+        if it % ppo.eval_every == 0 or it == ppo.iterations:
+            metrics.update(evaluate(trainer, eval_prompts))
+        if dist.is_main:
+            tracker.log_metrics(metrics, step=it)
+            if it % ppo.samples_every == 0 or it == ppo.iterations:
+                table = samples_table(tokenizer, trainer)
+                tracker.client.log_table(tracker.run_id, data=table, artifact_file=f"samples/iteration_{it:05d}.json")
+                histogram = tracker.workdir / f"scores_{it:05d}.png"
+                score_histogram(table["score"].tolist(), f"scores at iteration {it}", histogram)
+                tracker.log_artifact(histogram, "samples")
+        if it % ppo.checkpoint_every == 0 and it < ppo.iterations:
+            checkpoint.save(trainer, checkpoints)
+        progress.update(1)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+    progress.close()
+
+    outputs: dict = {}
+    if dist.is_main:
+        tracker.log_metrics({"ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
+        out = tracker.workdir / "model"
+        policy = trainer.actor.module
+        policy.config.use_cache = True
+        policy.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        tracker.log_artifacts(out, "model")
+        shutil.rmtree(out)
+        lineage = {
+            "rlhf.input.sft_model": inputs["sft_model"],
+            "rlhf.input.reward_model": inputs["reward_model"],
+            "rlhf.input.critic_model": inputs.get("critic_model", ""),
+            "rlhf.input.splits": inputs["splits"],
+            "rlhf.data_digest": inputs.get("data_digest", ""),
+            "rlhf.git_commit": tracking.git_commit(),
+            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward", "critic", "ppo"),
+            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            "rlhf.ppo_preset": ppo.preset,
+        }
+        version = tracker.register("policy", "model", cfg.registry_prefix, lineage)
+        outputs = {"policy_model": version, "policy_model_artifact": tracker.artifact_uri("model"),
+                   "ppo_run": tracker.run_id}
+    dist.barrier()
+    return outputs

@@ -1,0 +1,226 @@
+"""One PPO-max iteration, top to bottom: roll out, shape rewards, GAE, then PPO epochs over
+minibatches updating actor and critic. Every paper trick is read from `ppo.switches()`."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+import torch
+
+from stages.config import PPOConfig
+from stages.launch import Dist, make_engine
+from stages.ppo.advantages import gae, masked_mean, masked_whiten
+from stages.ppo.experience import Experience, make_experience, response_logits, token_logprobs, token_values
+from stages.ppo.losses import entropy_from_logits, policy_loss, ptx_loss, value_loss
+from stages.ppo.rewards import RunningMoments, apply_eos_penalty, reparameterise_scores, token_rewards
+from stages.sft import collate
+
+
+def warmup_schedule(optimizer, warmup_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+
+
+class PPOTrainer:
+    def __init__(self, ppo: PPOConfig, *, actor, critic, reference, score_fn, prompts: list[list[int]],
+                 ptx_examples: list, tokenizer, dist: Dist, moments: RunningMoments | None = None,
+                 train_actor: bool = True):
+        """train_actor=False freezes the policy: critic pre-training (paper §5.4) with exactly
+        PPO's rollouts, reward shaping and GAE returns."""
+        self.ppo, self.switches, self.dist, self.train_actor = ppo, ppo.switches(), dist, train_actor
+        self.reference, self.score_fn, self.prompts, self.ptx_examples = reference, score_fn, prompts, ptx_examples
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.moments = moments or RunningMoments()
+        steps_per_iteration = ppo.ppo_epochs * math.ceil(ppo.rollout_batch_size / ppo.minibatch_size)
+        warmup = ppo.warmup_iterations * steps_per_iteration
+        # Global clipping clips actor and critic together below; the engines then must not clip alone.
+        joint = self.switches["global_grad_clip"] and dist.deepspeed_config is None
+        engine_clip = math.inf if joint else ppo.max_grad_norm
+
+        def engine(model, lr):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ppo.adam_betas)
+            return make_engine(model, optimizer, warmup_schedule(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
+                               grad_accum_steps=1, max_grad_norm=engine_clip, dist=dist)
+
+        self.actor = engine(actor, ppo.actor_lr) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
+        self.critic = engine(critic, ppo.critic_lr)
+        self.joint_clip = joint and train_actor
+        self.iteration, self.episode, self.cursor = 0, 0, 0
+        self.rng = random.Random(ppo.seed)
+        self.order = self._shuffled()
+        torch.manual_seed(ppo.seed + dist.rank)
+
+    # -- prompts ------------------------------------------------------------------------------
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        self.rng.shuffle(order)
+        return order
+
+    def next_prompts(self) -> list[list[int]]:
+        """This rank's prompts of the next iteration; a new seeded shuffle at each epoch end."""
+        size = self.ppo.rollout_batch_size
+        batch_span = size * self.dist.world_size
+        if self.cursor + batch_span > len(self.order):
+            self.order, self.cursor = self._shuffled(), 0
+        start = self.cursor + self.dist.rank * size
+        self.cursor += batch_span
+        return [self.prompts[i] for i in self.order[start : start + size]]
+
+    # -- one iteration ------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        ppo, sw = self.ppo, self.switches
+        started = time.perf_counter()
+        gen = ppo.generation.model_dump()
+        exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, self.next_prompts(),
+                              eos_id=self.eos_id, pad_id=self.pad_id, generation=gen, device=self.dist.device)
+        rollout_seconds = time.perf_counter() - started
+
+        # Score reparameterisation on running statistics, updated before use (§5.3.1).
+        scores = apply_eos_penalty(exp.scores, exp.ended_with_eos, ppo.eos_penalty_score if sw["eos_penalty"] else None)
+        if sw["score_mode"] != "none":
+            self.moments.update(scores, self.dist.all_reduce_sum if self.dist.distributed else None)
+        shaped = reparameterise_scores(scores, self.moments, sw["score_mode"], ppo.score_clip)
+        # Token rewards (eq. 1–2) and GAE (eq. 3).
+        beta = ppo.kl_coef if sw["kl_penalty"] else 0.0
+        exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, beta, ppo.kl_estimator)
+        exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
+
+        train_started = time.perf_counter()
+        stats = self.optimise(exp)
+        self.iteration += 1
+        self.episode += len(exp.scores) * self.dist.world_size
+        elapsed = time.perf_counter() - started
+
+        mask = exp.response_mask
+        lengths = mask.sum(1)
+        kl_per_sequence = exp.kl.sum(1)
+        metrics = {
+            "objective/scores": exp.scores.mean().item(),
+            "objective/scores_shaped": shaped.mean().item(),
+            "objective/kl": kl_per_sequence.mean().item(),
+            "objective/non_score_reward": (-beta * kl_per_sequence).mean().item(),
+            "objective/rlhf_reward": (exp.scores - beta * kl_per_sequence).mean().item(),
+            "objective/entropy": (-exp.logprobs.sum(1)).mean().item(),
+            "policy/perplexity": math.exp(-masked_mean(exp.logprobs, mask).item()),
+            "policy/ref_perplexity": math.exp(-masked_mean(exp.ref_logprobs, mask).item()),
+            "policy/response_length": lengths.mean().item(),
+            "policy/response_length_p90": float(np.percentile(lengths.cpu().numpy(), 90)),
+            "val/num_eos_tokens": exp.ended_with_eos.sum().item(),
+            "val/mean": masked_mean(exp.values, mask).item(),
+            "val/explained_variance": explained_variance(exp.values, exp.returns, mask),
+            "reward/running_mean": self.moments.mean,
+            "reward/running_std": self.moments.std,
+            **stats,
+            "time/rollout": rollout_seconds,
+            "time/train": time.perf_counter() - train_started,
+            "eps": len(exp.scores) * self.dist.world_size / elapsed,
+        }
+        metrics = self._mean_across_ranks(metrics)
+        metrics.update({"lr": (self.actor if self.train_actor else self.critic).lr_scheduler.get_last_lr()[0],
+                        "episode": self.episode})
+        self.last_experience = exp
+        return metrics
+
+    def optimise(self, exp: Experience) -> dict[str, float]:
+        """PPO epochs over shuffled minibatches (§5.3.3): clipped surrogate + clipped value loss,
+        PPO-ptx, optional entropy bonus, one gradient-norm clip over actor and critic."""
+        ppo, sw = self.ppo, self.switches
+        sums: dict[str, float] = {}
+        steps = 0
+        temperature = ppo.generation.temperature
+        for _ in range(ppo.ppo_epochs):
+            order = torch.randperm(len(exp.scores))
+            for start in range(0, len(order), ppo.minibatch_size):
+                mb = exp.rows(order[start : start + ppo.minibatch_size])
+                mask = mb.response_mask
+                advantages = masked_whiten(mb.advantages, mask) if sw["whiten_advantages"] else mb.advantages
+                if ppo.advantage_clip is not None:
+                    advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
+
+                values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                v_loss, v_stats = value_loss(values, mb.values, mb.returns, mask,
+                                             ppo.value_clip_eps if sw["value_clip"] else None)
+                self.critic.backward(v_loss)
+                step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
+
+                if self.train_actor:
+                    logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                    logprobs = token_logprobs(logits, mb.sequences[:, mb.prompt_width :], temperature)
+                    pg_loss, pg_stats = policy_loss(logprobs, mb.logprobs, advantages, mask, ppo.clip_eps)
+                    entropy = masked_mean(entropy_from_logits(logits.float() / temperature), mask)
+                    actor_loss = pg_loss - ppo.entropy_coef * entropy
+                    ptx = torch.zeros(())
+                    if sw["ptx"] and self.ptx_examples:
+                        ptx = self._ptx_loss()
+                        actor_loss = actor_loss + ppo.ptx_coef * ptx
+                    self.actor.backward(actor_loss)
+                    step_stats.update({
+                        "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
+                        "policy/entropy_avg": entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
+                        "val/ratio": pg_stats["ratio"], "val/ratio_var": pg_stats["ratio_var"],
+                    })
+                if self.joint_clip:
+                    params = [p for model in (self.actor.module, self.critic.module) for p in model.parameters()
+                              if p.grad is not None]
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ppo.max_grad_norm))
+                else:
+                    grad_norm = float("nan")
+                self.actor.step()
+                self.critic.step()
+                for name, value in step_stats.items():
+                    sums[name] = sums.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+                if not math.isnan(grad_norm):
+                    sums["policy/grad_norm"] = sums.get("policy/grad_norm", 0.0) + grad_norm
+                steps += 1
+        return {name: total / steps for name, total in sums.items()}
+
+    def _ptx_loss(self) -> torch.Tensor:
+        batch = [self.ptx_examples[self.rng.randrange(len(self.ptx_examples))] for _ in range(self.ppo.ptx_batch_size)]
+        tensors = {k: v.to(self.dist.device) for k, v in collate(batch, self.pad_id).items()}
+        logits = self.actor.module(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+        return ptx_loss(logits, tensors["labels"])
+
+    def _mean_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        if not self.dist.distributed:
+            return metrics
+        names = sorted(metrics)
+        summed = self.dist.all_reduce_sum([metrics[n] for n in names])
+        return {n: v / self.dist.world_size for n, v in zip(names, summed)}
+
+    # -- state for checkpoints ----------------------------------------------------------------
+    def state(self) -> dict:
+        return {"iteration": self.iteration, "episode": self.episode, "cursor": self.cursor, "order": self.order,
+                "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "moments": self.moments.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        self.iteration, self.episode, self.cursor = state["iteration"], state["episode"], state["cursor"]
+        self.order = list(state["order"])
+        self.rng.setstate(_as_random_state(state["rng"]))
+        torch.set_rng_state(state["torch_rng"])
+        self.moments.load_state_dict(state["moments"])
+
+
+class FrozenPolicy:
+    """The policy during critic pre-training: sampled from, never stepped."""
+
+    def __init__(self, model):
+        self.module = model
+
+    def step(self) -> None:
+        pass
+
+
+def _as_random_state(state) -> tuple:
+    """random.getstate() survives a JSON/pickle round trip as nested lists; make it tuples again."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over response tokens: 1 is a perfect critic, ≤ 0 a useless one."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return float(1.0 - var_residual / var_returns.clamp(min=1e-8))

@@ -1,0 +1,220 @@
+"""The reward stage: a reward model from the SFT model, trained on rm_train with the pairwise +
+LM loss in dynamic token batches, evaluated on rm_eval, saved and registered as <prefix>-reward."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from stages import sources, tracking
+from stages.config import PipelineConfig, RewardConfig
+from stages.data import encode_example, read_jsonl
+from stages.launch import Dist, make_engine
+from stages.reward.batching import PairBatchSampler
+from stages.reward.loss import RewardLoss, pairwise_loss, reward_model_loss
+from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.reward.report import margin_histogram, worst_pairs
+from stages.sft import collate, cosine_with_warmup
+
+WORST_PAIRS = 16  # rows of the eval/worst_pairs table
+
+
+@dataclass
+class EncodedPair:
+    chosen_ids: list[int]
+    chosen_labels: list[int]  # -100 on the prompt: the LM loss sees the chosen response only
+    rejected_ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+def encode_pairs(tokenizer, rows: list[dict], max_seq_len: int, max_response_len: int) -> list[EncodedPair]:
+    pairs = []
+    for row in rows:
+        chosen_ids, chosen_labels = encode_example(tokenizer, row["messages"], row["chosen"], max_seq_len, max_response_len)
+        rejected_ids, _ = encode_example(tokenizer, row["messages"], row["rejected"], max_seq_len, max_response_len)
+        pairs.append(EncodedPair(chosen_ids, chosen_labels, rejected_ids))
+    return pairs
+
+
+def make_sampler(rm: RewardConfig, pairs: list[EncodedPair], dist: Dist) -> PairBatchSampler:
+    return PairBatchSampler([p.length for p in pairs], dynamic=rm.dynamic_batching, token_budget=rm.token_budget,
+                            min_pairs=rm.min_pairs, max_pairs=rm.max_pairs, fixed_pairs=rm.fixed_pairs,
+                            seed=rm.seed, rank=dist.rank, world_size=dist.world_size)
+
+
+def pair_batch(pairs: list[EncodedPair], pad_id: int, device: str) -> dict[str, torch.Tensor]:
+    """Chosen answers in the first rows, rejected in the rest, all right-padded to one width."""
+    rows = [(p.chosen_ids, p.chosen_labels) for p in pairs] + [(p.rejected_ids, [-100] * len(p.rejected_ids)) for p in pairs]
+    return {name: tensor.to(device) for name, tensor in collate(rows, pad_id).items()}
+
+
+def forward_pairs(model, batch: dict[str, torch.Tensor], n_pairs: int, beta_rm: float):
+    """(loss, r(chosen), r(rejected)) of a batch made by `pair_batch`."""
+    rewards, chosen_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], lm_rows=n_pairs)
+    r_chosen, r_rejected = rewards[:n_pairs], rewards[n_pairs:]
+    loss = reward_model_loss(r_chosen, r_rejected, chosen_logits, batch["labels"][:n_pairs], beta_rm)
+    return loss, r_chosen, r_rejected
+
+
+@dataclass
+class HeldoutScores:
+    r_chosen: np.ndarray
+    r_rejected: np.ndarray
+    lm_loss: float
+    beta_rm: float
+
+    @property
+    def margins(self) -> np.ndarray:
+        return self.r_chosen - self.r_rejected
+
+    def metrics(self) -> dict[str, float]:
+        scores = np.concatenate([self.r_chosen, self.r_rejected])
+        pairwise = float(pairwise_loss(torch.from_numpy(self.r_chosen), torch.from_numpy(self.r_rejected)))
+        return {
+            "eval/loss": pairwise + self.beta_rm * self.lm_loss,
+            "eval/pairwise_loss": pairwise,
+            "eval/lm_loss": self.lm_loss,
+            "eval/accuracy": float(np.mean(self.margins > 0)),
+            "eval/margin": float(np.mean(self.margins)),
+            "eval/score_mean": float(scores.mean()),
+            "eval/score_std": float(scores.std()),
+        }
+
+
+@torch.no_grad()
+def score_heldout(model, pairs: list[EncodedPair], sampler: PairBatchSampler, pad_id: int, beta_rm: float,
+                  dist: Dist) -> HeldoutScores:
+    """Scores of every held-out pair; ranks score their own batches and sum into full vectors."""
+    was_training = model.training
+    model.eval()
+    n = len(pairs)
+    r_chosen, r_rejected = np.zeros(n), np.zeros(n)
+    nll_sum, lm_tokens = 0.0, 0
+    for indices in sampler.batches(epoch=0):
+        batch = pair_batch([pairs[i] for i in indices], pad_id, dist.device)
+        loss, chosen, rejected = forward_pairs(model, batch, len(indices), beta_rm)
+        r_chosen[indices], r_rejected[indices] = chosen.cpu().numpy(), rejected.cpu().numpy()
+        nll_sum, lm_tokens = nll_sum + loss.lm.item() * loss.lm_tokens, lm_tokens + loss.lm_tokens
+    total = dist.all_reduce_sum([*r_chosen, *r_rejected, nll_sum, lm_tokens])
+    model.train(was_training)
+    return HeldoutScores(np.array(total[:n]), np.array(total[n : 2 * n]), total[-2] / max(total[-1], 1), beta_rm)
+
+
+def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tensor,
+                batch: dict[str, torch.Tensor]) -> list[float]:
+    """This rank's sums for the step's metrics (summed over ranks before they are logged)."""
+    margins = (r_chosen - r_rejected).detach()
+    return [len(margins), loss.pairwise.item() * len(margins), float((margins > 0).sum()), float(margins.sum()),
+            loss.lm.item() * loss.lm_tokens, loss.lm_tokens, float(batch["attention_mask"].sum()),
+            batch["attention_mask"].numel()]
+
+
+def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+    """Once, before the ranks start: local copies of the splits and of the SFT model."""
+    return {"splits_dir": str(tracking.download(inputs["splits"])),
+            "sft_model_dir": str(tracking.download(inputs["sft_model"]))}
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    rm = cfg.reward
+    torch.manual_seed(rm.seed)
+    splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
+    tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
+    model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
+    sources.align_pad_token(model.lm, tokenizer)
+    pad_id = tokenizer.pad_token_id
+
+    heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")[: rm.eval_pairs]
+    train_set = encode_pairs(tokenizer, read_jsonl(splits_dir / "rm_train.jsonl"), rm.max_seq_len, rm.max_response_len)
+    heldout = encode_pairs(tokenizer, heldout_rows, rm.max_seq_len, rm.max_response_len)
+    sampler, heldout_sampler = make_sampler(rm, train_set, dist), make_sampler(rm, heldout, dist)
+    total_steps = sampler.steps_per_epoch * rm.epochs
+    if rm.max_steps:
+        total_steps = min(total_steps, rm.max_steps)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * total_steps), total_steps)
+    engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
+                         grad_accum_steps=1, max_grad_norm=rm.max_grad_norm, dist=dist)
+    if dist.is_main:
+        tracker.log_params({"model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
+                            "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
+                            "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
+                            "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
+                            "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
+                            "reward.sft_model": inputs["sft_model"]})
+
+    engine.train()
+    schedule = (indices for epoch in range(rm.epochs) for indices in sampler.batches(epoch))
+    progress = tqdm(total=total_steps, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
+    started = time.perf_counter()
+    for step, indices in enumerate(itertools.islice(schedule, total_steps), start=1):
+        step_started = time.perf_counter()
+        batch = pair_batch([train_set[i] for i in indices], pad_id, dist.device)
+        loss, r_chosen, r_rejected = forward_pairs(engine, batch, len(indices), rm.beta_rm)
+        engine.backward(loss.total)
+        engine.step()
+        pairs, pairwise_sum, correct, margin_sum, nll_sum, lm_tokens, tokens, padded = dist.all_reduce_sum(
+            step_totals(loss, r_chosen, r_rejected, batch))
+        elapsed = time.perf_counter() - step_started
+        train_loss = pairwise_sum / pairs + rm.beta_rm * nll_sum / max(lm_tokens, 1)
+        if dist.is_main and (step % rm.log_every == 0 or step == total_steps):
+            tracker.log_metrics({
+                "train/loss": train_loss,
+                "train/pairwise_loss": pairwise_sum / pairs,
+                "train/lm_loss": nll_sum / max(lm_tokens, 1),
+                "train/accuracy": correct / pairs,
+                "train/margin": margin_sum / pairs,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                "train/tokens_per_s": tokens / elapsed,
+                "train/padding_fraction": 1.0 - tokens / padded,
+                "train/pairs": pairs,
+                "train/epoch": step / sampler.steps_per_epoch,
+            }, step=step)
+        progress.update(1)
+        progress.set_postfix(loss=f"{train_loss:.3f}", acc=f"{correct / pairs:.2f}")
+    progress.close()
+    train_seconds = time.perf_counter() - started
+
+    scores = score_heldout(engine.module, heldout, heldout_sampler, pad_id, rm.beta_rm, dist)
+    metrics = scores.metrics()
+    engine.module.score_mean, engine.module.score_std = metrics["eval/score_mean"], metrics["eval/score_std"]
+    outputs: dict = {}
+    if dist.is_main:
+        tracker.log_metrics({**metrics, "reward/train_seconds": train_seconds}, step=total_steps)
+        histogram = tracker.workdir / "margin_histogram.png"
+        margin_histogram(scores.margins, histogram)
+        tracker.log_artifact(histogram, "eval")
+        tracker.client.log_table(tracker.run_id, data=worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
+                                 artifact_file="eval/worst_pairs.json")
+        out = tracker.workdir / "model"
+        save_reward_model(engine.module, tokenizer, out, {"heldout_pairs": len(heldout),
+                                                           "heldout_accuracy": metrics["eval/accuracy"]})
+        tracker.log_artifacts(out, "model")
+        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
+        lineage = {
+            "rlhf.input.sft_model": inputs["sft_model"],
+            "rlhf.input.splits": inputs["splits"],
+            "rlhf.data_digest": inputs.get("data_digest", ""),
+            "rlhf.git_commit": tracking.git_commit(),
+            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward"),
+            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            "rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
+            "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
+            "rlhf.score_std": f"{metrics['eval/score_std']:.6g}",
+        }
+        version = tracker.register("reward", "model", cfg.registry_prefix, lineage)
+        outputs = {"reward_model": version, "reward_model_artifact": tracker.artifact_uri("model")}
+    dist.barrier()
+    return outputs

@@ -1,0 +1,145 @@
+"""The whole tiny pipeline (data → SFT → reward → critic → PPO-max) through the real Prefect flow,
+a PPO rerun as vanilla on the same artifacts, and PPO on two DeepSpeed CPU ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stages import tracking
+from stages.config import load_config
+from stages.launch import execute
+
+TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+             "loss/value_avg", "loss/ptx_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
+             "lr", "episode", "eps", "policy/perplexity", "policy/ref_perplexity", "policy/response_length",
+             "policy/response_length_p90"]
+
+
+@pytest.fixture(scope="module")
+def full_run(prefect_server):
+    from flows.rlhf import rlhf
+
+    return rlhf(preset="tiny", overrides={"sft.epochs": 1})
+
+
+def stage_run(pipeline_run_id: str, stage: str):
+    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
+
+
+def version_tags(uri: str) -> dict:
+    name, version = uri.removeprefix("models:/").split("/")
+    return tracking.client().get_model_version(name, version).tags
+
+
+def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
+    runs = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(full_run)}
+    assert set(runs) == {"data", "sft", "reward", "critic", "ppo"}
+    assert all(run.info.status == "FINISHED" for run in runs.values())
+    outputs = tracking.outputs_of(full_run)
+
+    critic = version_tags(outputs["critic_model"])
+    assert outputs["critic_model"].startswith("models:/rlhf-tiny-critic/")
+    assert critic["rlhf.input.reward_model"] == outputs["reward_model"]
+    critic_metrics = runs["critic"].data.metrics
+    assert np.isfinite(critic_metrics["critic/final_value_loss"]) and "critic/final_explained_variance" in critic_metrics
+
+    policy = version_tags(outputs["policy_model"])
+    assert outputs["policy_model"].startswith("models:/rlhf-tiny-policy/")
+    assert policy["rlhf.input.sft_model"] == outputs["sft_model"]
+    assert policy["rlhf.input.reward_model"] == outputs["reward_model"]
+    assert policy["rlhf.input.critic_model"] == outputs["critic_model"]
+    assert policy["rlhf.ppo_preset"] == "ppo-max"
+
+
+def test_ppo_logs_trl_metrics_samples_evals_and_checkpoints(full_run):
+    client = tracking.client()
+    ppo = stage_run(full_run, "ppo")
+    cfg = load_config("tiny").ppo
+    for name in TRL_NAMES:
+        history = client.get_metric_history(ppo.info.run_id, name)
+        assert [m.step for m in history] == list(range(1, cfg.iterations + 1)), name
+        assert all(np.isfinite(m.value) for m in history), name
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "eval/kl")] == [0, 3, 6]  # 0: the SFT policy
+    samples = tracking.download(f"runs:/{ppo.info.run_id}/samples")
+    table = json.loads((samples / "iteration_00006.json").read_text())
+    assert table["columns"] == ["prompt", "response", "score", "ended_with_eos"]
+    assert len(table["data"]) == cfg.rollout_batch_size
+    assert (samples / "scores_00006.png").read_bytes()[:4] == b"\x89PNG"
+    params = ppo.data.params  # the effective switches, one param each
+    assert params["ppo.switches.score_mode"] == "normalise" and params["ppo.switches.value_clip"] == "True"
+    checkpoints = tracking.rlhf_home() / "runs" / full_run / "ppo" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter-000002", "iter-000004"]
+
+
+def test_vanilla_ppo_reruns_on_the_same_artifacts(full_run):
+    from flows.rlhf import rlhf
+
+    rerun = rlhf(preset="tiny", overrides={"ppo.preset": "vanilla", "ppo.iterations": 2}, stages=["ppo"],
+                 from_run=full_run)
+    outputs = tracking.outputs_of(rerun)
+    tags = version_tags(outputs["policy_model"])
+    assert tags["rlhf.ppo_preset"] == "vanilla"
+    assert tags["rlhf.input.reward_model"] == tracking.outputs_of(full_run)["reward_model"]
+    ppo = stage_run(rerun, "ppo")
+    assert ppo.data.params["ppo.preset"] == "vanilla"
+    assert set(TRL_NAMES) <= set(ppo.data.metrics)  # the same names as the PPO-max run: comparable in MLflow
+
+
+def test_ppo_on_two_deepspeed_ranks(full_run):
+    cfg = load_config("tiny", ["ppo.launch.world_size=2", "ppo.launch.deepspeed=zero2", "ppo.iterations=2",
+                               "ppo.rollout_batch_size=8", "ppo.minibatch_size=4"])
+    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
+    outputs = execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+    pipeline.finish("FINISHED")
+    run = tracking.stage_runs(pipeline.run_id)[0]
+    assert run.data.params["ppo.engine"] == "DeepSpeedEngine" and run.data.params["ppo.world_size"] == "2"
+    history = tracking.client().get_metric_history(run.info.run_id, "loss/value_avg")
+    assert [m.step for m in history] == [1, 2]  # rank 0 alone logs
+    assert run.data.metrics["episode"] == 2 * 8 * 2  # iterations × prompts per rank × ranks
+    assert outputs["policy_model"].startswith("models:/rlhf-tiny-policy/")
+
+
+def test_a_killed_ppo_run_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(full_run):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from flows.rlhf import rlhf
+
+    overrides = ["ppo.iterations=4", "ppo.checkpoint_every=2", "ppo.eval_every=100"]
+    runs_dir = tracking.rlhf_home() / "runs"
+    before = set(runs_dir.iterdir())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    args = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--stages", "ppo", "--from-run", full_run]
+    proc = subprocess.Popen([*args, *(a for o in overrides for a in ("--set", o))], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, checkpoint_dir = time.time() + 240, None
+    while time.time() < deadline and checkpoint_dir is None:
+        time.sleep(0.5)
+        for folder in set(runs_dir.iterdir()) - before:
+            if (folder / "ppo" / "checkpoints" / "iter-000002" / "manifest.json").exists():
+                checkpoint_dir = folder
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, after the checkpoint of iteration 2
+    proc.wait()
+    assert checkpoint_dir is not None, "no checkpoint appeared"
+    killed = checkpoint_dir.name
+
+    resumed = rlhf(preset="tiny", overrides=overrides, stages=["ppo"], resume=killed)
+    assert resumed == killed
+    attempts = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == "ppo"]
+    assert sorted(run.info.status for run in attempts) == ["FINISHED", "KILLED"]
+    finished = next(run for run in attempts if run.info.status == "FINISHED")
+    assert finished.data.tags["rlhf.resumed_from"] == "iter-000002"
+    history = tracking.client().get_metric_history(finished.info.run_id, "objective/scores")
+    assert [m.step for m in history] == [3, 4]
+
+    whole = rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run)
+    uninterrupted = stage_run(whole, "ppo").data.metrics
+    for name in ("objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "episode"):
+        assert finished.data.metrics[name] == pytest.approx(uninterrupted[name], rel=1e-4, abs=1e-6), name
