@@ -8,7 +8,6 @@ no folder that looks complete. Loading takes the newest folder whose manifest ve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,15 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from stages.sources import file_digest
+
 MANIFEST = "manifest.json"
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
 
 
 def _engine_states(trainer) -> dict[str, object]:
@@ -57,7 +50,7 @@ def save(trainer, directory: Path, keep: int = 2) -> Path:
     if trainer.dist.is_main:
         torch.save(trainer.state(), tmp / "trainer.pt")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {"iteration": trainer.iteration, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+        manifest = {"iteration": trainer.iteration, "files": {str(p.relative_to(tmp)): file_digest(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -74,7 +67,7 @@ def verified(folder: Path) -> bool:
         return False
     try:
         manifest = json.loads(manifest_path.read_text())
-        return all((folder / name).exists() and _sha256(folder / name) == digest
+        return all((folder / name).exists() and file_digest(folder / name) == digest
                    for name, digest in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return False
