@@ -40,14 +40,19 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
 
 
-def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over response tokens, and their count."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    targets = batch["labels"][:, 1:]
+def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over the labelled positions (labels are -100 elsewhere), and their count."""
+    targets = labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
     )
     return nll, int((targets != -100).sum())
+
+
+def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over response tokens, and their count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return shifted_nll(logits, batch["labels"])
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from stages.ppo.advantages import masked_mean
+from stages.sft import shifted_nll
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -49,6 +50,5 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """PPO-ptx: the SFT language-modelling loss on pretraining/SFT data (labels −100 = ignore)."""
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-    )
+    nll, count = shifted_nll(logits, labels)
+    return nll / max(count, 1)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stages.sft import shifted_nll
+
 
 @dataclass
 class RewardLoss:
@@ -23,10 +25,8 @@ def pairwise_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Ten
 
 def response_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(mean next-token NLL over labelled tokens, their count); labels are -100 elsewhere."""
-    targets = labels[:, 1:]
-    count = int((targets != -100).sum())
     # −(1/T) Σ_t log p(y_t | x, y_<t) over the response tokens
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+    nll, count = shifted_nll(logits, labels)
     return nll / max(count, 1), count
 
 
