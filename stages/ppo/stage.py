@@ -72,7 +72,7 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]]) -> dict[str, float]:
         "eval/kl": ((exp.logprobs - exp.ref_logprobs) * mask).sum(1).mean().item(),
         "eval/eos_rate": exp.ended_with_eos.float().mean().item(),
     }
-    return dict(zip(metrics, [v / trainer.dist.world_size for v in trainer.dist.all_reduce_sum(list(metrics.values()))]))
+    return trainer.mean_across_ranks(metrics)
 
 
 def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:

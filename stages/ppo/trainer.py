@@ -117,7 +117,7 @@ class PPOTrainer:
             "time/train": time.perf_counter() - train_started,
             "eps": len(exp.scores) * self.dist.world_size / elapsed,
         }
-        metrics = self._mean_across_ranks(metrics)
+        metrics = self.mean_across_ranks(metrics)
         metrics.update({"lr": (self.actor if self.train_actor else self.critic).lr_scheduler.get_last_lr()[0],
                         "episode": self.episode})
         self.last_experience = exp
@@ -182,7 +182,7 @@ class PPOTrainer:
         logits = self.actor.module(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
         return ptx_loss(logits, tensors["labels"])
 
-    def _mean_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+    def mean_across_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         if not self.dist.distributed:
             return metrics
         names = sorted(metrics)
