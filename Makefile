@@ -10,7 +10,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-slow install serve clean-venv
+.PHONY: demo test test-slow install serve down clean-venv
 
 demo: $(STAMP)
 	$(VENV)/bin/rlhf run --preset $(PRESET)
@@ -21,8 +21,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m slow
 
+# A Prefect server, an MLflow server and `rlhf serve` on 127.0.0.1, in the background; `make down` stops them.
 serve: $(STAMP)
-	$(VENV)/bin/rlhf serve --preset $(PRESET)
+	$(VENV)/bin/rlhf up --preset $(PRESET)
+
+down: $(STAMP)
+	$(VENV)/bin/rlhf down
 
 install: $(STAMP)
 

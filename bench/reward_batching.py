@@ -69,7 +69,8 @@ def measure(mode: str, config: dict, model_dir: str, rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--pairs", type=int, default=16, help="pairs of rm_train to train on (default 16)")
+    parser.add_argument("--pairs", type=int, default=96,
+                        help="pairs of rm_train to train on (default 96: enough pairs to bucket by length)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 

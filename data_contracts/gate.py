@@ -29,6 +29,10 @@ ARTIFACT_DIR = "contracts"
 HANDOFFS: dict[str, dict[str, Any]] = {
     "data": {"run": "data_run", "suites": {"raw_pairs": "raw_pairs_probe", "splits": "splits_probe"}, "model": None},
     "sft": {"run": "sft_run", "suites": {"sft": "sft_probe"}, "model": "sft_model"},
+    "reward": {"run": "reward_run", "suites": {"reward": "reward_probe"}, "model": "reward_model"},
+    "critic": {"run": "critic_run", "suites": {"critic": "critic_probe"}, "model": "critic_model"},
+    "ppo": {"run": "ppo_run", "suites": {"policy": "policy_probe"}, "model": "policy_model"},
+    "eval": {"run": "eval_run", "suites": {"evaluation": "eval_probe"}, "model": None},
 }
 
 
@@ -114,8 +118,15 @@ def _example(values: dict) -> str:
 
 
 def _short(value: Any, width: int = 60) -> str:
-    text = repr(value)
+    text = repr(_plain(value))
     return text if len(text) <= width else text[: width - 1] + "…'"
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python numbers, floats to 6 digits: `0.0259067`, not `np.float64(0.025906735751295335)`."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    return float(f"{value:.6g}") if isinstance(value, float) else value
 
 
 def _exception_message(info: Any) -> str:
@@ -143,7 +154,7 @@ def _failures(result: dict, max_examples: int) -> list[Failure]:
         examples = list(res.get("partial_unexpected_index_list") or [])[:max_examples]
         detail_parts = []
         if "observed_value" in res:
-            detail_parts.append(f"observed {res['observed_value']!r}")
+            detail_parts.append(f"observed {_plain(res['observed_value'])!r}")
         bounds = {k: kwargs[k] for k in ("min_value", "max_value", "value", "value_set", "mostly") if k in kwargs}
         if bounds:
             detail_parts.append(", ".join(f"{k}={v!r}" for k, v in bounds.items()))

@@ -24,10 +24,36 @@ RAW_PAIRS_COLUMNS = ["row", "prompt", "rejected_prompt", "chosen", "rejected"]
 SPLITS_COLUMNS = ["row", "split", "prompt", "chosen", "rejected"]
 SFT_COLUMNS = ["row", "response_tokens", "ended_with_eos", "perplexity_before", "perplexity_after",
                "final_train_loss"]
+REWARD_COLUMNS = ["row", "r_chosen", "r_rejected", "margin"]
+CRITIC_COLUMNS = ["row", "response_tokens", "score", "values_mean", "returns_mean", "value_loss",
+                  "explained_variance"]
+POLICY_COLUMNS = ["row", "response_tokens", "ended_with_eos", "kl", "perplexity", "score",
+                  "sft_response_tokens_mean", "sft_perplexity_mean"]
+EVALUATION_COLUMNS = ["row", "kind", "model", "shots", "subject", "predicted", "score", "judge", "judge_kind",
+                      "verdict", "score_policy", "score_sft"]
+FINITE = 1e12  # a bound that ±inf (and absurd magnitudes) break; NaN is null in pandas
 
 
 def _schema(columns: list[str]) -> list:
     return [gxe.ExpectColumnToExist(column=c) for c in columns]
+
+
+def _rows(condition: str | None) -> dict:
+    """Arguments that limit a column rule to the rows a pandas query selects (None: all rows)."""
+    return {"row_condition": condition, "condition_parser": "pandas"} if condition else {}
+
+
+def _finite(column: str, min_value: float = -FINITE, max_value: float = FINITE, where: str | None = None) -> list:
+    """Not NaN and within bounds (so not ±inf): GX has no 'finite' expectation."""
+    return [gxe.ExpectColumnValuesToNotBeNull(column=column, **_rows(where)),
+            gxe.ExpectColumnValuesToBeBetween(column=column, min_value=min_value, max_value=max_value, **_rows(where))]
+
+
+def _eos_rate(min_rate: float) -> list:
+    """At least `min_rate` of the responses end with EOS; no rule at 0 (models that never stop)."""
+    if min_rate <= 0:
+        return []
+    return [gxe.ExpectColumnValuesToBeInSet(column="ended_with_eos", value_set=[True], mostly=min_rate)]
 
 
 def raw_pairs(cfg: PipelineConfig) -> list:
@@ -74,31 +100,118 @@ def sft(cfg: PipelineConfig) -> list:
     out = [
         *_schema(SFT_COLUMNS),
         gxe.ExpectTableRowCountToBeBetween(min_value=1),
-        # NaN counts as null in pandas: finite loss and perplexities = not null and bounded.
-        gxe.ExpectColumnValuesToNotBeNull(column="final_train_loss"),
-        gxe.ExpectColumnValuesToBeBetween(column="final_train_loss", min_value=0.0,
-                                          max_value=rules.max_final_train_loss),
-        gxe.ExpectColumnValuesToNotBeNull(column="perplexity_after"),
-        gxe.ExpectColumnValuesToBeBetween(column="perplexity_after", min_value=1.0, max_value=1e12),
-        gxe.ExpectColumnValuesToBeInSet(column="ended_with_eos", value_set=[True], mostly=rules.min_eos_rate)
-        if rules.min_eos_rate > 0 else None,
+        *_finite("final_train_loss", 0.0, rules.max_final_train_loss),
+        *_finite("perplexity_after", 1.0),
+        *_eos_rate(rules.min_eos_rate),
         gxe.ExpectColumnMeanToBeBetween(column="response_tokens", min_value=rules.min_mean_response_tokens,
                                         max_value=rules.max_mean_response_tokens),
     ]
     if rules.require_perplexity_drop:
         out.append(gxe.ExpectColumnPairValuesAToBeGreaterThanB(column_A="perplexity_before",
                                                                column_B="perplexity_after"))
-    return [e for e in out if e is not None]
+    return out
+
+
+def reward(cfg: PipelineConfig) -> list:
+    """The reward model, judged on the held-out pairs it scored (one row per rm_eval pair)."""
+    rules = cfg.contracts.reward
+    return [
+        *_schema(REWARD_COLUMNS),
+        gxe.ExpectTableRowCountToBeBetween(min_value=1),
+        *_finite("r_chosen"),
+        *_finite("r_rejected"),
+        # Held-out accuracy: the mean of `correct` (derived: margin > 0).
+        gxe.ExpectColumnMeanToBeBetween(column="correct", min_value=rules.min_accuracy),
+        gxe.ExpectColumnStdevToBeBetween(column="r_chosen", min_value=rules.min_score_std),
+        gxe.ExpectColumnStdevToBeBetween(column="r_rejected", min_value=rules.min_score_std),
+    ]
+
+
+def critic(cfg: PipelineConfig) -> list:
+    """The critic, judged on rollouts of the frozen SFT policy for held-out prompts (one row per
+    rollout; explained variance is the batch's, repeated on every row)."""
+    rules = cfg.contracts.critic
+    return [
+        *_schema(CRITIC_COLUMNS),
+        gxe.ExpectTableRowCountToBeBetween(min_value=1),
+        *_finite("values_mean"),
+        *_finite("returns_mean"),
+        *_finite("value_loss", 0.0),
+        gxe.ExpectColumnMeanToBeBetween(column="value_loss", max_value=rules.max_value_loss),
+        *_finite("explained_variance", rules.min_explained_variance, 1.0),
+    ]
+
+
+def policy(cfg: PipelineConfig) -> list:
+    """The PPO policy against the SFT policy, the paper's pattern-collapse guard: one row per
+    response of the final held-out evaluation, with the SFT policy's means as baseline columns."""
+    rules = cfg.contracts.policy
+    return [
+        *_schema(POLICY_COLUMNS),
+        gxe.ExpectTableRowCountToBeBetween(min_value=1),
+        *_finite("score"),
+        *_finite("kl"),
+        *_finite("perplexity", 1.0),
+        *_finite("sft_response_tokens_mean", 1.0),
+        *_finite("sft_perplexity_mean", 1.0),
+        gxe.ExpectColumnMeanToBeBetween(column="kl", max_value=rules.max_kl),
+        # Bands around the SFT policy: means of the derived per-response ratios to its means.
+        gxe.ExpectColumnMeanToBeBetween(column="length_ratio", min_value=rules.min_length_ratio,
+                                        max_value=rules.max_length_ratio),
+        gxe.ExpectColumnMeanToBeBetween(column="perplexity_ratio", min_value=rules.min_perplexity_ratio,
+                                        max_value=rules.max_perplexity_ratio),
+        *_eos_rate(rules.min_eos_rate),
+    ]
+
+
+def evaluation(cfg: PipelineConfig) -> list:
+    """The eval stage's probe: one row per C-Eval answer (kind `ceval`) and per judged pair
+    (kind `judge`; `invalid`: no parseable verdict after a retry, tolerated up to a fraction)."""
+    rules = cfg.contracts.eval
+    ceval_rows, judge_rows = 'kind == "ceval"', 'kind == "judge"'
+    scored_rows = 'judge_kind == "reward_model"'  # score judges: both scores finite
+    return [
+        *_schema(EVALUATION_COLUMNS),
+        gxe.ExpectTableRowCountToBeBetween(min_value=1),
+        gxe.ExpectColumnValuesToBeInSet(column="kind", value_set=["ceval", "judge"]),
+        gxe.ExpectColumnValuesToNotBeNull(column="predicted", **_rows(ceval_rows)),
+        gxe.ExpectColumnValuesToBeInSet(column="predicted", value_set=list("ABCD"), **_rows(ceval_rows)),
+        *_finite("score", where=ceval_rows),  # the chosen letter's log-probability
+        gxe.ExpectColumnValuesToNotBeNull(column="verdict", **_rows(judge_rows)),
+        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose", "invalid"],
+                                        **_rows(judge_rows)),
+        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose"],
+                                        mostly=1.0 - rules.max_invalid_fraction, **_rows(judge_rows)),
+        *_finite("score_policy", where=scored_rows),
+        *_finite("score_sft", where=scored_rows),
+    ]
 
 
 SUITES: dict[str, Callable[[PipelineConfig], list]] = {
     "raw_pairs": raw_pairs,
     "splits": splits,
     "sft": sft,
+    "reward": reward,
+    "critic": critic,
+    "policy": policy,
+    "evaluation": evaluation,
+}
+
+# Per-row columns computed from the stage's columns, for batch rules GX states as a column mean.
+DERIVED: dict[str, dict[str, Callable[[pd.DataFrame], pd.Series]]] = {
+    "reward": {"correct": lambda f: (f["margin"] > 0).astype(float)},  # mean = held-out accuracy
+    "policy": {"length_ratio": lambda f: f["response_tokens"] / f["sft_response_tokens_mean"],
+               "perplexity_ratio": lambda f: f["perplexity"] / f["sft_perplexity_mean"]},
 }
 
 
 def derive(suite: str, frame: pd.DataFrame) -> pd.DataFrame:
-    """Derived columns a suite's expectations read (none of the current suites need one beyond
-    what the stages write; kept as the hook for rules such as 'score std > 0 per batch')."""
-    return frame
+    """The frame plus the derived columns its suite reads. One whose source column is missing is
+    left out: the suite's schema rules name the missing column."""
+    out = frame.copy()
+    for name, compute in DERIVED.get(suite, {}).items():
+        try:
+            out[name] = compute(frame)
+        except KeyError:
+            pass
+    return out

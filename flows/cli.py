@@ -1,4 +1,5 @@
-"""`rlhf` command line: run the pipeline (no server needed), serve deployments, show config."""
+"""`rlhf` command line: run the pipeline (no server needed), serve its deployments (alone, or with
+a Prefect and an MLflow server: up/down), list and compare runs, show the config."""
 
 from __future__ import annotations
 
@@ -55,6 +56,44 @@ def _quiet_expected_errors(kinds: tuple[type[BaseException], ...]):
             handler.removeFilter(strip)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from flows import services
+
+    try:
+        state = services.up(args.preset, args.host, args.prefect_port, args.mlflow_port, args.artifacts, args.timeout)
+    except services.ServicesError as err:
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 1
+    env = state["env"]
+    print(f"Prefect UI    {state['urls']['prefect']}\n"
+          f"MLflow UI     {state['urls']['mlflow']}   (artifacts: {state['artifacts']})\n"
+          f"Deployments   {state['urls']['serve']}   (rlhf serve --preset {state['preset']})\n"
+          f"Logs          {services.state_dir()}/*.log\n\n"
+          f"export PREFECT_API_URL={env['PREFECT_API_URL']} MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}\n"
+          f"prefect deployment run rlhf/full --watch\n"
+          f"rlhf down   # stops them")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stages import runs
+
+    from mlflow.exceptions import MlflowException
+
+    run_a, run_b = args.runs
+    png = Path(args.png or f"rlhf-compare-{run_a[:8]}-{run_b[:8]}.png")
+    try:
+        table = runs.compare(run_a, run_b, png)
+    except MlflowException as err:
+        print(f"rlhf: {err.message}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"\nPPO curves: {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
@@ -68,9 +107,30 @@ def main(argv: list[str] | None = None) -> int:
                      help="continue a failed or killed pipeline run: finished stages are kept, training resumes from checkpoints")
     run.add_argument("--contracts", choices=["stop", "warn"], default=None,
                      help="a failed data contract stops the flow (stop, default) or is reported (warn)")
+    run.add_argument("--force", action="store_true",
+                     help="run every stage, even those whose inputs and config match an earlier run's (skipped by default)")
 
     serve = sub.add_parser("serve", help="serve the deployments rlhf/full, rlhf/sft, ...")
     serve.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"))
+
+    up = sub.add_parser("up", help="start a Prefect server, an MLflow server and `rlhf serve` in the background")
+    up.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"), help="preset of the served deployments")
+    up.add_argument("--host", default="127.0.0.1", help="the interface the servers listen on (default: loopback only)")
+    up.add_argument("--prefect-port", type=int, default=4200)
+    up.add_argument("--mlflow-port", type=int, default=5000)
+    up.add_argument("--artifacts", default=None, metavar="DIR_OR_S3_URI",
+                    help="MLflow artifact store: a folder or s3://bucket/prefix (default: mlartifacts/ in the RLHF home)")
+    up.add_argument("--timeout", type=float, default=300, help="seconds to wait for each service to answer")
+    sub.add_parser("down", help="stop what `rlhf up` started")
+
+    runs = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
+    runs.add_argument("--experiment", default="rlhf")
+    runs.add_argument("--preset", default=None, help="only runs of this preset")
+    runs.add_argument("--limit", type=int, default=10)
+
+    compare = sub.add_parser("compare", help="compare two pipeline runs: headline table, PNG of the PPO curves")
+    compare.add_argument("runs", nargs=2, metavar="RUN", help="pipeline run ids")
+    compare.add_argument("--png", default=None, help="where to write the curves (default: rlhf-compare-<A>-<B>.png)")
 
     show = sub.add_parser("config", help="print the resolved configuration")
     _config_args(show)
@@ -90,6 +150,21 @@ def main(argv: list[str] | None = None) -> int:
 
             prefect_serve(*deployments(args.preset))
             return 0
+        if args.command == "up":
+            return _up(args)
+        if args.command == "down":
+            from flows import services
+
+            stopped = services.down()
+            print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")
+            return 0
+        if args.command == "runs":
+            from stages import runs, tracking
+
+            print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
+            return 0
+        if args.command == "compare":
+            return _compare(args)
         if args.contracts:
             args.overrides.append(f"contracts.mode={args.contracts}")
         cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
@@ -106,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with _quiet_expected_errors((ContractError, DataError)):
                 run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
-                              resume=args.resume)
+                              resume=args.resume, force=args.force)
         except ContractError as err:
             print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
                   f"under contracts/.", file=sys.stderr)

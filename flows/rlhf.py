@@ -3,21 +3,79 @@ lives in `stages/`, which never imports Prefect."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
+import requests
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
 
 from data_contracts import HANDOFFS, ContractError, check_handoff
 from stages import tracking
-from stages.config import PipelineConfig, load_config
-from stages.launch import STAGE_MODULES, execute
+from stages.config import PipelineConfig, load_config, rlhf_home
+from stages.launch import STAGE_INPUTS, STAGE_MODULES, StageLaunchError, execute
 
 STAGES = list(STAGE_MODULES)
 
-# One Prefect task per stage. A stage failure is never retried automatically: a training or
-# gate failure would only fail again, and a rerun with from_run resumes from its artifacts.
-STAGE_TASKS = {name: task(execute, name=name, task_run_name=name, retries=0) for name in STAGES}
+# What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
+# to MLflow, the artifact store or the Prefect API dropped. Anything else (a gate, a bad config,
+# a training error) would fail the same way again.
+INFRASTRUCTURE_ERRORS = (StageLaunchError, ConnectionError, TimeoutError, requests.exceptions.ConnectionError)
+
+
+def retry_on_infrastructure_errors(task, task_run, state) -> bool:
+    return isinstance(state.result(raise_on_failure=False), INFRASTRUCTURE_ERRORS)
+
+
+def stage_cache_key(context, parameters: dict[str, Any]) -> str:
+    """A stage is skipped when it ran before on the same inputs with the same config: its key is
+    the stage, the URIs it reads, the hash of the config sections it depends on and the MLflow
+    store those URIs live in."""
+    stage, cfg, inputs = parameters["stage"], parameters["cfg"], parameters["inputs"]
+    key = {"stage": stage, "inputs": {name: inputs[name] for name in STAGE_INPUTS[stage] if name in inputs},
+           "config": cfg.stage_hash(stage), "store": tracking.tracking_uri()}
+    return f"{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}"
+
+
+def result_storage() -> Path | str:
+    """Where the stage tasks' results (their outputs: the cache that lets a rerun skip a stage)
+    persist: `$RLHF_RESULTS`, an absolute folder (shared storage such as NFS when stages run on
+    several hosts) or a Prefect storage block (`s3-bucket/rlhf-results`); else the RLHF home."""
+    configured = os.environ.get("RLHF_RESULTS")
+    if not configured:
+        return rlhf_home() / "prefect-results"
+    return Path(configured) if Path(configured).expanduser().is_absolute() else configured
+
+
+def use_aws_credentials_block() -> None:
+    """With RLHF_AWS_CREDENTIALS_BLOCK=<name>, put the credentials of that prefect-aws
+    `AwsCredentials` block (and its endpoint URL) into this process's environment, where boto3
+    (MLflow's S3 artifact store) and the stages' ranks read them; they never reach MLflow."""
+    name = os.environ.get("RLHF_AWS_CREDENTIALS_BLOCK")
+    if not name:
+        return
+    from prefect_aws import AwsCredentials
+
+    block = AwsCredentials.load(name)
+    secret = block.aws_secret_access_key
+    values = {"AWS_ACCESS_KEY_ID": block.aws_access_key_id,
+              "AWS_SECRET_ACCESS_KEY": secret.get_secret_value() if secret else None,
+              "AWS_SESSION_TOKEN": block.aws_session_token, "AWS_DEFAULT_REGION": block.region_name,
+              "MLFLOW_S3_ENDPOINT_URL": block.aws_client_parameters.endpoint_url}
+    os.environ.update({key: value for key, value in values.items() if value})
+
+
+# One Prefect task per stage; its result is the stage's outputs (URIs and its MLflow run id
+# `<stage>_run`), cached under stage_cache_key. Training stages carry the tag `gpu`, so a Prefect
+# concurrency limit on that tag bounds how many run at once.
+STAGE_TASKS = {name: task(execute, name=name, task_run_name=name, cache_key_fn=stage_cache_key,
+                          result_serializer="json", tags=[] if name == "data" else ["gpu"])
+               for name in STAGES}
 
 
 def contract_gate(stage: str, outputs: dict[str, Any], cfg: PipelineConfig) -> bool:
@@ -43,6 +101,49 @@ GATE_TASKS = {name: task(contract_gate, name=f"gate-{name}", task_run_name=f"gat
               for name in STAGES if name in HANDOFFS}
 
 
+def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, inputs: dict[str, Any],
+              force: bool) -> dict[str, Any]:
+    """Run stage `name`, or reuse the stage run that an earlier pipeline run made with the same
+    cache key; record which in the pipeline run (`rlhf.stage.<name>`) and gate what ran."""
+    stage_task = STAGE_TASKS[name].with_options(
+        # force reruns; otherwise Prefect's PREFECT_TASKS_REFRESH_CACHE decides (off by default)
+        refresh_cache=force or None,
+        result_storage=result_storage(),
+        retries=cfg.orchestration.retries,
+        retry_delay_seconds=cfg.orchestration.retry_delay_seconds,
+        retry_condition_fn=retry_on_infrastructure_errors,
+    )
+    state = stage_task(name, cfg, pipeline.run_id, inputs, return_state=True)
+    produced = state.result()
+    reused = state.name == "Cached"
+    if reused and not tracking.reusable(produced[f"{name}_run"], gated=name in GATE_TASKS):
+        produced = stage_task.with_options(refresh_cache=True)(name, cfg, pipeline.run_id, inputs)
+        reused = False
+    pipeline.record_stage(name, produced[f"{name}_run"], "reused" if reused else "ran")
+    if f"{name}_summary" in produced:  # a stage's own report (eval): its markdown summary, linking to it
+        create_markdown_artifact(tracking.download(produced[f"{name}_summary"]).read_text(), key=f"{name}-report",
+                                 description=f"{name} report, MLflow run {produced[f'{name}_run']}")
+    if reused:
+        print(f"stage {name}: unchanged inputs and config, reusing stage run {produced[f'{name}_run']}")
+    elif name in GATE_TASKS:  # stops the flow here on failure (contracts.mode: stop)
+        GATE_TASKS[name](name, produced, cfg)
+    return produced
+
+
+def run_on_deployment(name: str, deployment: str, parameters: dict[str, Any], cfg: PipelineConfig,
+                      pipeline: tracking.PipelineRun) -> dict[str, Any]:
+    """Run stage `name` as a flow run of its own deployment (e.g. on the GPU work pool), from
+    this pipeline run's outputs so far; record its stage run here and return its outputs."""
+    child = run_deployment(deployment, parameters={**parameters, "stages": [name], "from_run": pipeline.run_id},
+                           # a retried parent finds the child it started instead of starting another
+                           idempotency_key=f"{flow_run.id}-{name}")
+    if not child.state.is_completed():
+        raise RuntimeError(f"stage {name}: flow run {child.name} of deployment {deployment} ended {child.state.name}")
+    _, stage_run_id = tracking.recorded_stages(tracking.pipeline_run_of_flow_run(cfg.experiment, str(child.id)))[name]
+    pipeline.record_stage(name, stage_run_id, "deployed")
+    return tracking.stage_outputs(stage_run_id)
+
+
 def _summary(cfg: PipelineConfig, pipeline_run_id: str, outputs: dict[str, Any]) -> str:
     rows = "\n".join(f"| {name} | `{value}` |" for name, value in outputs.items())
     return (
@@ -59,6 +160,7 @@ def rlhf(
     stages: list[str] | None = None,
     from_run: str | None = None,
     resume: str | None = None,
+    force: bool = False,
 ) -> str:
     """Run the pipeline stages in order; returns the MLflow run id of this pipeline run.
 
@@ -66,9 +168,11 @@ def rlhf(
     names (default: all). from_run: a previous pipeline run id (or `latest`) whose outputs feed
     the stages not run here. resume: a failed or killed pipeline run id to continue: its
     finished stages are kept, the others run again in its folders (training resumes from the
-    last good checkpoint).
+    last good checkpoint). force: run every stage, even one whose inputs and config match an
+    earlier run's (by default such a stage is skipped and its earlier outputs are used).
     """
     cfg = load_config(preset, overrides)
+    use_aws_credentials_block()
     if resume:
         if from_run:
             raise ValueError("give from_run or resume, not both")
@@ -87,15 +191,20 @@ def rlhf(
         pipeline = tracking.PipelineRun.reopen(cfg, resume)
     else:
         inputs = tracking.outputs_of(from_run) if from_run else {}
-        pipeline = tracking.PipelineRun.start(cfg, stages, from_run)
+        pipeline = tracking.PipelineRun.start(cfg, stages, from_run, inputs,
+                                              extra_tags={tracking.FLOW_RUN_TAG: str(flow_run.id)})
     print(f"pipeline run {pipeline.run_id} (MLflow {tracking.tracking_uri()})")
     try:
         for name in STAGES:
-            if name in stages:
-                produced = STAGE_TASKS[name](name, cfg, pipeline.run_id, inputs)
-                if name in GATE_TASKS:  # stops the flow here on failure (contracts.mode: stop)
-                    GATE_TASKS[name](name, produced, cfg)
-                inputs = {**inputs, **produced}
+            if name not in stages:
+                continue
+            deployment = cfg.orchestration.deployments.get(name) if len(stages) > 1 else None
+            if deployment:  # a run of that one stage runs it in place
+                parameters = {"preset": preset, "overrides": overrides, "force": force}
+                produced = run_on_deployment(name, deployment, parameters, cfg, pipeline)
+            else:
+                produced = run_stage(name, cfg, pipeline, inputs, force)
+            inputs = {**inputs, **produced}
     except BaseException:
         pipeline.finish("FAILED")
         raise

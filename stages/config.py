@@ -11,10 +11,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "infra" / "presets"
@@ -76,6 +76,8 @@ class DataConfig(_Section):
     pairs: str = "hh-rlhf/harmless-base-test.jsonl.gz"
     hub_data_dir: str | None = "harmless-base"
     hub_split: str = "test"
+    # C-Eval (read by the eval stage): a folder with dev/ and val/ CSVs (absolute, or relative to
+    # data_dir), or the hub id `ceval/ceval-exam`.
     ceval: str = "ceval-exam"
     data_dir: str | None = None  # default: $RLHF_DATA_DIR, else ../shared/data beside the repo
     seed: int = 0
@@ -86,13 +88,18 @@ class DataConfig(_Section):
 
 
 class LaunchConfig(_Section):
-    """How a training stage runs: in-process, or as DeepSpeed ranks under torchrun."""
+    """How a training stage runs: in-process, or as DeepSpeed ranks under torchrun, or on
+    several hosts under the deepspeed launcher."""
 
-    world_size: int = 1
+    world_size: int = 1  # ranks in all (with a hostfile: its slots in total)
     # A DeepSpeed config: a name in infra/deepspeed (`zero2`, `zero3`) or a path. None with
     # world_size 1 trains in plain PyTorch.
     deepspeed: str | None = None
-    threads_per_rank: int | None = None  # default: cores / ranks
+    threads_per_rank: int | None = None  # default: cores / ranks on a host
+    # Multi-node: a DeepSpeed hostfile (`<host> slots=<ranks>` lines; a path, or a name in
+    # infra/deepspeed). Several hosts are reached over passwordless ssh (pdsh); every host needs
+    # this checkout and the RLHF home at the same paths (shared storage).
+    hostfile: str | None = None
 
 
 class SFTConfig(_Section):
@@ -165,6 +172,39 @@ class SFTContract(_Section):
     max_mean_response_tokens: float = 1e9
 
 
+class RewardContract(_Section):
+    """RM contract, on the reward stage's held-out pairs (rm_eval): ranking and finite, spread scores."""
+
+    min_accuracy: float = 0.55  # held-out pairs ranked right; HH reward models reach 0.6–0.7, chance is 0.5
+    min_score_std: float = 1e-3  # std of r(chosen) and of r(rejected): a constant RM ranks nothing
+
+
+class CriticContract(_Section):
+    """Critic contract, on rollouts of the frozen SFT policy for held-out eval prompts."""
+
+    max_value_loss: float = 0.5  # mean ½(V − R)² per rollout; predicting 0 on normalised scores gives ≈ 0.5
+    min_explained_variance: float = 0.0  # 1 − Var(R − V) / Var(R); below 0 a constant would do better
+
+
+class PolicyContract(_Section):
+    """Policy contract (the paper's pattern-collapse guard), on the PPO stage's final held-out
+    evaluation, relative to the SFT policy's evaluation before the first iteration."""
+
+    max_kl: float = 10.0  # mean KL(π ‖ π_SFT) per held-out response, nats
+    min_length_ratio: float = 0.5  # mean response length / the SFT policy's
+    max_length_ratio: float = 2.0
+    min_perplexity_ratio: float = 0.5  # mean per-response perplexity / the SFT policy's
+    max_perplexity_ratio: float = 2.0
+    min_eos_rate: float = 0.5  # fraction of held-out responses that end with EOS
+
+
+class EvalContract(_Section):
+    """Eval contract, on the eval stage's probe: every C-Eval answer in A–D, every judge verdict
+    in win/tie/lose, scores finite."""
+
+    max_invalid_fraction: float = 0.1  # judged pairs whose verdict stayed unparseable after a retry
+
+
 class ContractsConfig(_Section):
     """Great Expectations gates between stages (data_contracts/): thresholds per handoff."""
 
@@ -172,6 +212,10 @@ class ContractsConfig(_Section):
     max_examples: int = 5  # example rows named in a failure message
     raw_pairs: RawPairsContract = RawPairsContract()
     sft: SFTContract = SFTContract()
+    reward: RewardContract = RewardContract()
+    critic: CriticContract = CriticContract()
+    policy: PolicyContract = PolicyContract()
+    eval: EvalContract = EvalContract()
 
 
 class GenerationConfig(_Section):
@@ -182,6 +226,7 @@ class GenerationConfig(_Section):
     top_p: float = 0.9
     top_k: int = 0
     repetition_penalty: float = 1.0
+    do_sample: bool = True  # False: greedy rollouts (reproducible; tests compare runs token for token)
 
 
 # The paper's switches. `ppo.preset` picks a column; any switch set explicitly wins.
@@ -255,9 +300,115 @@ class CriticConfig(_Section):
     value_loss_threshold: float = 0.05  # stop once a whole rollout's mean value loss is below
     rollout_batch_size: int = 64
     minibatch_size: int = 16
+    eval_prompts: int = 32  # held-out prompts (eval_prompts split) rolled out for the critic contract
     max_grad_norm: float = 1.0
     seed: int = 42
     launch: LaunchConfig = LaunchConfig()
+
+
+class CEvalConfig(_Section):
+    """C-Eval val (paper §6), from `data.ceval`: the answer is the argmax of the next-token
+    log-probability over A/B/C/D after the official prompt."""
+
+    shots: list[int] = [0, 5]  # 0-shot, and 5-shot with the subject's dev exemplars
+    subjects: list[str] | None = None  # None: all 52
+    max_questions_per_subject: int | None = None  # None: every val question (1346 in all)
+    batch_size: int = 16
+    max_seq_len: int = 1024  # a longer few-shot prompt drops exemplars, then its oldest tokens
+
+
+class OpenAIJudgeConfig(_Section):
+    """An OpenAI-compatible chat endpoint (the paper: GPT-4). The key is read from the
+    environment variable named here; the config never holds the key itself."""
+
+    kind: Literal["openai"] = "openai"
+    name: str = "openai"  # in metric names: eval/judge/<name>/...
+    base_url: str = "https://api.openai.com/v1"
+    model: str = "gpt-4"
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 60.0
+    max_retries: int = 5  # on 429, 5xx, timeouts and dropped connections
+    backoff_s: float = 2.0  # first wait; doubles per retry (a Retry-After header wins)
+    max_tokens: int = 512  # judge reply
+    concurrency: int = 4  # requests in flight
+    prompts: int | None = None  # judge only the first N eval prompts (None: all)
+
+
+class LocalJudgeConfig(_Section):
+    """Any local chat model, with the same judging prompt as the endpoint (greedy reply)."""
+
+    kind: Literal["local"] = "local"
+    name: str = "local"
+    model: str | None = None  # as model.name_or_path; None: the pipeline's base model (model.*)
+    max_new_tokens: int = 64
+    max_prompt_len: int = 1024
+    prompts: int | None = None
+
+
+class RewardModelJudgeConfig(_Section):
+    """The run's reward model as a score judge: the answer with the higher r(x, y) wins."""
+
+    kind: Literal["reward_model"] = "reward_model"
+    name: str = "reward_model"
+    tie_margin: float = 0.0  # |r(policy) − r(SFT)| ≤ this is a tie
+    prompts: int | None = None
+
+
+class EvalGenerationConfig(GenerationConfig):
+    """Sampling of the judged responses (paper's code: temperature 0.8, top-p 0.9, repetition
+    penalty 1.1, 128 new tokens)."""
+
+    repetition_penalty: float = 1.1
+
+
+JudgeConfig = Annotated[OpenAIJudgeConfig | LocalJudgeConfig | RewardModelJudgeConfig, Field(discriminator="kind")]
+
+
+class EvalConfig(_Section):
+    """Evaluation (paper §6): C-Eval of the SFT model and the policy (the alignment tax), and
+    policy vs SFT responses on held-out eval prompts, each pair judged in both orders."""
+
+    ceval: CEvalConfig = CEvalConfig()
+    prompts: int = 128  # eval_prompts split rows answered by both models
+    split: str = "harmless"  # the report's name for those prompts (paper Figs. 10–11: harmless, helpful)
+    generation: EvalGenerationConfig = EvalGenerationConfig()
+    generation_batch_size: int = 16
+    max_prompt_len: int = 256  # longer prompts lose their oldest tokens
+    judges: list[JudgeConfig] = [RewardModelJudgeConfig(), OpenAIJudgeConfig()]
+    # The first judge decides: alias @champion on the policy version when (win − lose) / n ≥ this.
+    champion_margin: float = 0.05
+    seed: int = 42
+
+    @model_validator(mode="after")
+    def _distinct_judge_names(self) -> EvalConfig:
+        names = [judge.name for judge in self.judges]
+        if len(set(names)) != len(names):
+            raise ValueError(f"judge names must differ (they name metrics): {names}")
+        return self
+
+
+class OrchestrationConfig(_Section):
+    """How the flow runs the stages (flows/rlhf.py). Only infrastructure failures are retried (a
+    rank that crashed, a lost connection); a gate or a training error fails the same way again."""
+
+    retries: int = 1
+    retry_delay_seconds: float = 10.0
+    # Stage → the Prefect deployment that runs it when a run has several stages, e.g.
+    # {ppo: rlhf/ppo}: a deployment on the GPU work pool (infra/prefect.yaml) while the rest of
+    # the pipeline runs where the parent runs.
+    deployments: dict[str, str] = {}
+
+
+# The config sections each stage's outputs depend on besides its inputs: its lineage tag
+# `rlhf.config_hash` and, with its input URIs, the cache key that lets a rerun skip it.
+STAGE_SECTIONS = {
+    "data": ("data",),
+    "sft": ("model", "data", "sft"),
+    "reward": ("model", "data", "sft", "reward"),
+    "critic": ("model", "data", "sft", "reward", "critic", "ppo"),
+    "ppo": ("model", "data", "sft", "reward", "critic", "ppo"),
+    "eval": ("model", "data", "reward", "eval"),  # reward: the lengths the score judge reads
+}
 
 
 class PipelineConfig(_Section):
@@ -270,13 +421,19 @@ class PipelineConfig(_Section):
     reward: RewardConfig = RewardConfig()
     critic: CriticConfig = CriticConfig()
     ppo: PPOConfig = PPOConfig()
+    eval: EvalConfig = EvalConfig()
     contracts: ContractsConfig = ContractsConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
 
     def section_hash(self, *sections: str) -> str:
         """Hash of the given sections: what a stage's output depends on besides its inputs."""
         dump = self.model_dump(mode="json")
         payload = {name: dump[name] for name in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def stage_hash(self, stage: str) -> str:
+        """Hash of the sections `stage` depends on (STAGE_SECTIONS)."""
+        return self.section_hash(*STAGE_SECTIONS[stage])
 
     def config_hash(self) -> str:
         return self.section_hash(*(n for n in type(self).model_fields if n != "preset"))

@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -16,8 +17,9 @@ from stages import tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
+from stages.ppo.advantages import masked_mean
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
-from stages.ppo.trainer import PPOTrainer
+from stages.ppo.trainer import PPOTrainer, explained_variance
 from stages.reward.model import save_reward_model
 
 
@@ -25,6 +27,23 @@ def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     return {"splits_dir": str(tracking.download(inputs["splits"])),
             "sft_model_dir": str(tracking.download(inputs["sft_model"])),
             "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
+
+
+@torch.no_grad()
+def heldout_probe(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> pd.DataFrame:
+    """The trained critic on rollouts of the frozen policy for held-out prompts (this rank's share
+    of `rows`), without a step: per rollout ½ mean (V − R)², the mean value and return; explained
+    variance is the batch's (averaged over ranks, as in training), repeated on every row."""
+    exp, _, _ = trainer.rollout(prompts, update_moments=False)
+    mask = exp.response_mask
+    columns = {"response_tokens": mask.sum(1), "score": exp.scores,
+               "values_mean": masked_mean(exp.values, mask, dim=1), "returns_mean": masked_mean(exp.returns, mask, dim=1),
+               "value_loss": 0.5 * masked_mean((exp.values - exp.returns) ** 2, mask, dim=1)}
+    gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in columns.items()})
+    batch = trainer.mean_across_ranks({"explained_variance": explained_variance(exp.values, exp.returns, mask)})
+    frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int})
+    frame["explained_variance"] = batch["explained_variance"]
+    return frame
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
@@ -63,13 +82,20 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         progress.set_postfix(value_loss=f"{metrics['loss/value_avg']:.4f}",
                              explained_variance=f"{metrics['val/explained_variance']:.3f}")
     progress.close()
+    train_seconds = time.perf_counter() - started
 
+    # Held-out check for the critic contract: eval prompts the critic never trained on.
+    heldout_rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: critic_cfg.eval_prompts]
+    heldout = encode_prompts(tokenizer, heldout_rows, cfg.ppo.max_prompt_len)[dist.rank :: dist.world_size]
+    probe = heldout_probe(trainer, heldout, [r["row"] for r in heldout_rows])
     outputs: dict = {}
     if dist.is_main:
         tracker.log_metrics({"critic/final_value_loss": metrics["loss/value_avg"],
                              "critic/final_explained_variance": metrics["val/explained_variance"],
+                             "critic/heldout_value_loss": float(probe["value_loss"].mean()),
+                             "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
                              "critic/converged": float(converged), "critic/rollouts": trainer.iteration,
-                             "critic/train_seconds": time.perf_counter() - started}, step=trainer.iteration * steps_per_rollout)
+                             "critic/train_seconds": train_seconds}, step=trainer.iteration * steps_per_rollout)
         out = tracker.workdir / "model"
         critic_model = trainer.critic.module
         critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
@@ -83,13 +109,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.input.splits": inputs["splits"],
             "rlhf.data_digest": inputs.get("data_digest", ""),
             "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward", "critic", "ppo"),
+            "rlhf.config_hash": cfg.stage_hash("critic"),
             "rlhf.pipeline_run": tracker.pipeline_run_id,
             "rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
             "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}",
         }
         version = tracker.register("critic", "model", cfg.registry_prefix, lineage)
         outputs = {"critic_model": version, "critic_model_artifact": tracker.artifact_uri("model"),
-                   "critic_run": tracker.run_id}
+                   "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
     dist.barrier()
     return outputs

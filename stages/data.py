@@ -204,11 +204,6 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     tracker.log_artifacts(out, "splits")
     for name, rows in splits.items():
         tracker.log_input_rows(rows, name=name, source=source, digest=digest, context=name)
-    probes = tracker.workdir / "contracts"
-    probes.mkdir(parents=True, exist_ok=True)
-    raw_pairs_frame(records).to_parquet(probes / "raw_pairs.parquet", index=False)
-    splits_frame(splits).to_parquet(probes / "splits.parquet", index=False)
-    tracker.log_artifacts(probes, "contracts")
     return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source,
-            "data_run": tracker.run_id, "raw_pairs_probe": tracker.artifact_uri("contracts/raw_pairs.parquet"),
-            "splits_probe": tracker.artifact_uri("contracts/splits.parquet")}
+            "data_run": tracker.run_id, "raw_pairs_probe": tracker.log_probe(raw_pairs_frame(records), "raw_pairs"),
+            "splits_probe": tracker.log_probe(splits_frame(splits), "splits")}

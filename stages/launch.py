@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -18,16 +19,23 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.config import PipelineConfig, deepspeed_config_path
+from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
 
 # Stage name → module, in pipeline order. Each module has `run(cfg, tracker, inputs, dist)`
-# returning its outputs, and may have `prepare(cfg, inputs)`: work done once, in the launching
-# process, before any rank starts (materialising a base model, downloading inputs).
+# returning its outputs (URIs by name, and its MLflow run id as `<stage>_run`), and may have
+# `prepare(cfg, inputs)`: work done once, in the launching process, before any rank starts
+# (materialising a base model, downloading inputs).
 STAGE_MODULES = {"data": "stages.data", "sft": "stages.sft", "reward": "stages.reward", "critic": "stages.critic",
-                 "ppo": "stages.ppo.stage"}
-# What each stage reads from earlier stages' outputs.
+                 "ppo": "stages.ppo.stage", "eval": "stages.evaluate.stage"}
+# What each stage reads from earlier stages' outputs (with its config, the cache key of a stage
+# that a rerun skips when they are unchanged: list every input the stage reads).
 STAGE_INPUTS = {"data": [], "sft": ["splits"], "reward": ["splits", "sft_model"],
-                "critic": ["splits", "sft_model", "reward_model"], "ppo": ["splits", "sft_model", "reward_model"]}
+                "critic": ["splits", "sft_model", "reward_model"],
+                "ppo": ["splits", "sft_model", "reward_model", "critic_model"],
+                "eval": ["splits", "sft_model", "reward_model", "policy_model"]}
+# Inputs a stage uses when an earlier stage made them: eval of a run where only SFT ran
+# scores the SFT model alone; PPO without a critic run starts its critic from the reward model.
+OPTIONAL_INPUTS = {"ppo": {"critic_model"}, "eval": {"reward_model", "policy_model"}}
 
 
 class StageLaunchError(RuntimeError):
@@ -59,6 +67,18 @@ class Dist:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         torch_dist.all_reduce(tensor)
         return tensor.tolist()
+
+    def gather_rows(self, count: int, columns: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Whole columns of `count` rows, in row order, from each rank's strided share
+        (`rows[rank::world_size]`): every rank fills its positions of zeroed columns, ranks sum."""
+        flat = []
+        for values in columns.values():
+            full = [0.0] * count
+            for position, value in zip(range(self.rank, count, self.world_size), values):
+                full[position] = float(value)
+            flat += full
+        summed = self.all_reduce_sum(flat)
+        return {name: summed[k * count : (k + 1) * count] for k, name in enumerate(columns)}
 
     def barrier(self) -> None:
         if self.distributed:
@@ -114,10 +134,34 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
         train_micro_batch_size_per_gpu=micro_batch_size,
         gradient_accumulation_steps=grad_accum_steps,
         train_batch_size=micro_batch_size * grad_accum_steps * dist.world_size,
-        gradient_clipping=max_grad_norm,
+        gradient_clipping=0.0 if math.isinf(max_grad_norm) else max_grad_norm,  # DeepSpeed: 0 = no clipping
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
+
+
+def clip_grad_norm(engines: list, max_norm: float) -> float:
+    """One gradient-norm clip over several engines, between their backward and their step:
+    g ← g · min(1, max_norm / ‖g‖), ‖g‖ over all their parameters. Returns ‖g‖ before clipping.
+    The engines must not clip on their own (make_engine with max_grad_norm=inf)."""
+    import torch
+
+    if all(isinstance(engine, PlainEngine) for engine in engines):
+        params = [p for engine in engines for p in engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
+    # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine
+    # and step: one all-reduce of all its gradients for the norm, one more when clipping.
+    from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized
+
+    groups = [[p for p in engine.module.parameters() if p.requires_grad] for engine in engines]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(safe_get_full_grad(p).float())
+                                                 for params in groups for p in params]))
+    coef = max_norm / (float(norm) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+    if coef < 1.0:
+        for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
+            safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
+    return float(norm)
 
 
 def _resolve_deepspeed_config(name: str) -> dict:
@@ -138,6 +182,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def hostfile_slots(name: str) -> tuple[Path, dict[str, int]]:
+    """A DeepSpeed hostfile (a path, or a name in infra/deepspeed) and its `<host> slots=<n>`
+    lines as {host: n}."""
+    path = Path(name) if Path(name).exists() else DEEPSPEED_DIR / name
+    if not path.exists():
+        raise ConfigError(f"hostfile {name} does not exist (neither a path nor a file in {DEEPSPEED_DIR})")
+    slots = {}
+    for line in path.read_text().splitlines():
+        host, _, count = line.split("#", 1)[0].strip().partition(" slots=")
+        if host:
+            slots[host] = int(count or 1)
+    return path, slots
+
+
+def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
+    """The command that starts the ranks of a stage, and how many of them run on this host."""
+    if launch.hostfile is None:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.world_size}",
+                f"--master_port={_free_port()}", "-m", "stages.launch", str(spec_path)], launch.world_size
+    path, slots = hostfile_slots(launch.hostfile)
+    if sum(slots.values()) != launch.world_size:
+        raise ConfigError(f"{stage}.launch.world_size is {launch.world_size} but hostfile {path} has "
+                          f"{sum(slots.values())} slots: set them equal")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={path}", f"--master_port={_free_port()}"]
+    if len(slots) == 1:  # one host launches locally: no ssh
+        cmd += ["--no_ssh_check", "--master_addr=127.0.0.1"]
+    return cmd + ["--no_local_rank", "--module", "stages.launch", str(spec_path)], max(slots.values())
+
+
 def _stage_module(stage: str):
     return importlib.import_module(STAGE_MODULES[stage])
 
@@ -146,7 +219,7 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
     """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
     from stages import tracking
 
-    missing = [name for name in STAGE_INPUTS[stage] if name not in inputs]
+    missing = [name for name in STAGE_INPUTS[stage] if name not in inputs and name not in OPTIONAL_INPUTS.get(stage, ())]
     if missing:
         raise ValueError(f"stage '{stage}' needs {', '.join(missing)} from an earlier stage: run that stage too, "
                          f"or pass from_run=<pipeline run id> (or 'latest')")
@@ -167,7 +240,7 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     if hasattr(module, "prepare"):
         inputs = {**inputs, **module.prepare(cfg, inputs)}
     launch = getattr(getattr(cfg, stage, None), "launch", None)
-    if launch is None or (launch.world_size == 1 and launch.deepspeed is None):
+    if launch is None or (launch.world_size == 1 and launch.deepspeed is None and launch.hostfile is None):
         return module.run(cfg, tracker, inputs, Dist(workdir=tracker.workdir))
     spec_path = tracker.workdir / "launch.json"
     out_path = tracker.workdir / "outputs.json"
@@ -184,10 +257,9 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
         "outputs": str(out_path),
     }
     spec_path.write_text(json.dumps(spec, indent=1))
-    threads = launch.threads_per_rank or max(1, (os.cpu_count() or 1) // launch.world_size)
+    cmd, local_ranks = rank_command(stage, launch, spec_path)
+    threads = launch.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.world_size}",
-           f"--master_port={_free_port()}", "-m", "stages.launch", str(spec_path)]
     log_path = tracker.workdir / "ranks.log"
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -201,7 +273,7 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
 
 
 def _rank_main(spec_path: str) -> None:
-    """Entry point of one rank (`python -m stages.launch SPEC` under torchrun)."""
+    """Entry point of one rank (`python -m stages.launch SPEC` under torchrun or the deepspeed launcher)."""
     import torch
 
     spec = json.loads(Path(spec_path).read_text())

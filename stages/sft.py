@@ -223,10 +223,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])
         probe_frame["perplexity_before"], probe_frame["perplexity_after"] = ppl_before, ppl_after
         probe_frame["final_train_loss"] = final_train_loss
-        probe_dir = tracker.workdir / "contracts"
-        probe_dir.mkdir(parents=True, exist_ok=True)
-        probe_frame.to_parquet(probe_dir / "sft_probe.parquet", index=False)
-        tracker.log_artifacts(probe_dir, "contracts")
+        probe_uri = tracker.log_probe(probe_frame, "sft_probe")
         tracker.log_metrics({"probe/eos_rate": float(probe_frame["ended_with_eos"].mean()) if probe else 0.0,
                              "probe/mean_response_tokens": float(probe_frame["response_tokens"].mean()) if probe else 0.0,
                              "probe/seconds": time.perf_counter() - probe_started}, step=step)
@@ -235,13 +232,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.input.splits": inputs["splits"],
             "rlhf.data_digest": inputs.get("data_digest", ""),
             "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.section_hash("model", "data", "sft"),
+            "rlhf.config_hash": cfg.stage_hash("sft"),
             "rlhf.pipeline_run": tracker.pipeline_run_id,
             "rlhf.perplexity_before": f"{ppl_before:.4f}",
             "rlhf.perplexity_after": f"{ppl_after:.4f}",
         }
         version = tracker.register("sft", "model", cfg.registry_prefix, lineage)
         outputs = {"sft_model": version, "sft_model_artifact": tracker.artifact_uri("model"),
-                   "sft_run": tracker.run_id, "sft_probe": tracker.artifact_uri("contracts/sft_probe.parquet")}
+                   "sft_run": tracker.run_id, "sft_probe": probe_uri}
     dist.barrier()
     return outputs

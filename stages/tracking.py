@@ -19,6 +19,13 @@ from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
 
 PIPELINE_TAG = "rlhf.kind"
 OUTPUTS_TAG = "rlhf.outputs"
+INPUTS_TAG = "rlhf.inputs"  # on a pipeline run: what it started from (from_run's outputs)
+# On a pipeline run, which stage run holds each of its stages: rlhf.stage.<name> = <how>:<run id>,
+# <how> `ran` (a child run of this pipeline run), `reused` (the run of an earlier pipeline run
+# with the same inputs and config: the stage was skipped) or `deployed` (the run made by the
+# stage's own deployment, which this pipeline run started).
+STAGE_TAG_PREFIX = "rlhf.stage."
+FLOW_RUN_TAG = "rlhf.prefect_flow_run"  # on a pipeline run: the Prefect flow run that made it
 CONTRACT_TAG = "rlhf.contract"  # passed | failed, set by the gate after the stage (data_contracts)
 
 
@@ -41,13 +48,29 @@ def client():
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def artifact_root() -> str | None:
+    """Where a new experiment keeps its artifacts: `$RLHF_ARTIFACTS` (a folder, or
+    `s3://bucket/prefix`, written and read through boto3 with `MLFLOW_S3_ENDPOINT_URL` and the
+    AWS_* variables of the environment); else, with the embedded store, `mlartifacts/` beside the
+    database; else (a tracking server) None: the server's own artifact store."""
+    root = os.environ.get("RLHF_ARTIFACTS")
+    if root:
+        return root.rstrip("/") if "://" in root else Path(root).expanduser().resolve().as_uri()
+    if "MLFLOW_TRACKING_URI" not in os.environ:
+        return (rlhf_home() / "mlartifacts").as_uri()
+    return None
+
+
 def experiment_id(mlflow_client, name: str) -> str:
+    root = artifact_root()
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
+        if os.environ.get("RLHF_ARTIFACTS") and not found.artifact_location.startswith(root):
+            raise ValueError(f"experiment '{name}' keeps its artifacts in {found.artifact_location}, not under "
+                             f"RLHF_ARTIFACTS={root}: an experiment's artifact location is fixed when it is "
+                             f"created, so use a new one (--set experiment=<name>)")
         return found.experiment_id
-    location = None
-    if "MLFLOW_TRACKING_URI" not in os.environ:  # embedded store: artifacts beside the database
-        location = (rlhf_home() / "mlartifacts" / name).as_uri()
+    location = f"{root}/{name}" if root else None
     try:
         return mlflow_client.create_experiment(name, artifact_location=location)
     except Exception:  # created concurrently by another run
@@ -127,6 +150,14 @@ class StageRun:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, obj, artifact_file)
 
+    def log_probe(self, frame, name: str) -> str:
+        """A probe frame for the data contracts as `contracts/<name>.parquet`; returns its URI."""
+        path = self.workdir / "contracts" / f"{name}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_parquet(path, index=False)
+        self.log_artifact(path, "contracts")
+        return self.artifact_uri(f"contracts/{name}.parquet")
+
     def log_input_rows(self, rows: list[dict], *, name: str, source: str, digest: str, context: str) -> None:
         """Record a data split as an MLflow dataset input of this run (`mlflow.log_input`)."""
         import mlflow.data
@@ -175,7 +206,10 @@ class PipelineRun:
         self.client, self.run_id, self.cfg = mlflow_client, run_id, cfg
 
     @classmethod
-    def start(cls, cfg: PipelineConfig, stages: list[str], from_run: str | None = None) -> PipelineRun:
+    def start(cls, cfg: PipelineConfig, stages: list[str], from_run: str | None = None,
+              inputs: dict[str, str] | None = None, extra_tags: dict[str, str] | None = None) -> PipelineRun:
+        """A new pipeline run; `inputs` (the outputs of `from_run` it starts from) are recorded as
+        its tag `rlhf.inputs`, so a later run from this one finds them too."""
         mlflow_client = client()
         exp = experiment_id(mlflow_client, cfg.experiment)
         tags = {
@@ -184,9 +218,12 @@ class PipelineRun:
             "rlhf.stages": ",".join(stages),
             "rlhf.config_hash": cfg.config_hash(),
             "rlhf.git_commit": git_commit(),
+            **(extra_tags or {}),
         }
         if from_run:
             tags["rlhf.from_run"] = from_run
+        if inputs:
+            tags[INPUTS_TAG] = json.dumps(inputs)
         run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         return cls(mlflow_client, run.info.run_id, cfg)
@@ -214,6 +251,10 @@ class PipelineRun:
         run = self.client.create_run(exp, tags=tags, run_name=name)
         return StageRun(self.client, run.info.run_id, name, self.workdir / name, self.run_id)
 
+    def record_stage(self, name: str, stage_run_id: str, how: str) -> None:
+        """Tag which stage run holds stage `name` of this pipeline run, and how (`ran`, `reused`, `deployed`)."""
+        self.client.set_tag(self.run_id, f"{STAGE_TAG_PREFIX}{name}", f"{how}:{stage_run_id}")
+
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
 
@@ -229,42 +270,89 @@ def stage_runs(pipeline_run_id: str) -> list:
     )
 
 
-def finished_stages(pipeline_run_id: str) -> set[str]:
-    return {run.data.tags["rlhf.stage"] for run in stage_runs(pipeline_run_id)
-            if run.info.status == "FINISHED" and OUTPUTS_TAG in run.data.tags}
+def recorded_stages(pipeline_run) -> dict[str, tuple[str, str]]:
+    """Stage name → (how, stage run id), from a pipeline run's `rlhf.stage.*` tags."""
+    out = {}
+    for key, value in pipeline_run.data.tags.items():
+        if key.startswith(STAGE_TAG_PREFIX):
+            how, _, run_id = value.partition(":")
+            out[key.removeprefix(STAGE_TAG_PREFIX)] = (how, run_id)
+    return out
+
+
+def _feeds_later_stages(run) -> bool:
+    tags = run.data.tags
+    if tags.get(CONTRACT_TAG) == "failed" and tags.get(f"{CONTRACT_TAG}_mode", "stop") == "stop":
+        return False  # its gate stopped the pipeline: its outputs feed nothing
+    return run.info.status == "FINISHED" and OUTPUTS_TAG in tags
+
+
+def reusable(stage_run_id: str, gated: bool) -> bool:
+    """Whether a later pipeline run may skip a stage by reusing this finished stage run: it still
+    exists, its outputs feed later stages and, for a stage with a contract, its gate passed."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client().get_run(stage_run_id)
+    except MlflowException:
+        return False
+    passed = not gated or run.data.tags.get(CONTRACT_TAG) == "passed"
+    return run.info.lifecycle_stage == "active" and _feeds_later_stages(run) and passed
+
+
+def stage_outputs(stage_run_id: str) -> dict[str, str]:
+    return json.loads(client().get_run(stage_run_id).data.tags[OUTPUTS_TAG])
+
+
+def pipeline_run_of_flow_run(experiment: str, flow_run_id: str):
+    """The pipeline run that a Prefect flow run made."""
+    mlflow_client = client()
+    runs = mlflow_client.search_runs([experiment_id(mlflow_client, experiment)],
+                                     filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'", max_results=1)
+    if not runs:
+        raise LookupError(f"no pipeline run made by Prefect flow run {flow_run_id}")
+    return runs[0]
 
 
 def outputs_of(pipeline_run_id: str) -> dict[str, str]:
-    """Everything the finished stages of an earlier pipeline run produced (URIs by name)."""
-    merged: dict[str, str] = {}
-    for run in reversed(stage_runs(pipeline_run_id)):  # oldest first: later stages win
-        tags = run.data.tags
-        if tags.get(CONTRACT_TAG) == "failed" and tags.get(f"{CONTRACT_TAG}_mode", "stop") == "stop":
-            continue  # its gate stopped the pipeline: its outputs feed nothing
-        if run.info.status == "FINISHED" and OUTPUTS_TAG in tags:
+    """Everything an earlier pipeline run had at its end (URIs by name): what it started from,
+    then the outputs of its stages (its own finished child runs and the stage runs it reused or
+    had its deployments run), later ones winning."""
+    mlflow_client = client()
+    parent = mlflow_client.get_run(pipeline_run_id)
+    merged: dict[str, str] = json.loads(parent.data.tags.get(INPUTS_TAG, "{}"))
+    elsewhere = [mlflow_client.get_run(run_id) for how, run_id in recorded_stages(parent).values() if how != "ran"]
+    for run in sorted(elsewhere + stage_runs(pipeline_run_id), key=lambda r: r.info.start_time):
+        if _feeds_later_stages(run):
             merged.update(json.loads(run.data.tags[OUTPUTS_TAG]))
     return merged
 
 
 def resume_plan(pipeline_run_id: str) -> tuple[dict[str, str], list[str]]:
-    """(inputs, stages still to run) of a pipeline run being resumed: the outputs of the run it
-    was started from, then its own finished stages' outputs; its stages not finished yet."""
-    tags = client().get_run(pipeline_run_id).data.tags
-    inputs = outputs_of(tags["rlhf.from_run"]) if tags.get("rlhf.from_run") else {}
-    inputs.update(outputs_of(pipeline_run_id))
-    done = finished_stages(pipeline_run_id)
-    return inputs, [name for name in tags.get("rlhf.stages", "").split(",") if name and name not in done]
+    """(inputs, stages still to run) of a pipeline run being resumed: everything it has so far
+    (outputs_of); its stages neither finished nor reused yet."""
+    parent = client().get_run(pipeline_run_id)
+    done = set(recorded_stages(parent)) | {run.data.tags["rlhf.stage"] for run in stage_runs(pipeline_run_id)
+                                           if run.info.status == "FINISHED" and OUTPUTS_TAG in run.data.tags}
+    stages = parent.data.tags.get("rlhf.stages", "").split(",")
+    return outputs_of(pipeline_run_id), [name for name in stages if name and name not in done]
+
+
+def pipeline_runs(experiment: str, preset: str | None = None, finished: bool = False, max_results: int = 20) -> list:
+    """Pipeline runs (parent runs) of an experiment, newest first."""
+    mlflow_client = client()
+    found = mlflow_client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    where = [f"tags.`{PIPELINE_TAG}` = 'pipeline'"]
+    if preset:
+        where.append(f"tags.`rlhf.preset` = '{preset}'")
+    if finished:
+        where.append("attributes.status = 'FINISHED'")
+    return mlflow_client.search_runs([found.experiment_id], filter_string=" and ".join(where),
+                                     order_by=["attributes.start_time DESC"], max_results=max_results)
 
 
 def latest_pipeline_run(cfg: PipelineConfig) -> str | None:
-    mlflow_client = client()
-    found = mlflow_client.get_experiment_by_name(cfg.experiment)
-    if found is None:
-        return None
-    runs = mlflow_client.search_runs(
-        [found.experiment_id],
-        filter_string=f"tags.`{PIPELINE_TAG}` = 'pipeline' and tags.`rlhf.preset` = '{cfg.preset}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
+    runs = pipeline_runs(cfg.experiment, cfg.preset, finished=True, max_results=1)
     return runs[0].info.run_id if runs else None

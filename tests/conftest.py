@@ -1,8 +1,14 @@
-"""Shared fixtures: a private RLHF home (cache + MLflow SQLite store) and a real Prefect server."""
+"""Shared fixtures: a private RLHF home (cache + MLflow SQLite store), a real Prefect server and a
+real S3-API server."""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,6 +20,10 @@ HH_FILE = (default_data_dir() or Path("/nonexistent")) / "hh-rlhf" / "harmless-b
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests share one RLHF home: a stage another test already ran with the same inputs and config
+# would be skipped (flows/rlhf.py caches stages), making what a test sees depend on the order.
+# Here every stage runs; the tests of the skip (test_serving.py) turn this off in their processes.
+os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,3 +52,57 @@ def hh_file() -> Path:
     if not HH_FILE.exists():
         pytest.skip(f"shared data not found at {HH_FILE}")
     return HH_FILE
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    # Fake credentials that no MLflow param, tag or artifact may contain (tests look for them).
+    credentials: dict[str, str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"MLFLOW_S3_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1", **self.credentials}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=self.credentials["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=self.credentials["AWS_SECRET_ACCESS_KEY"])
+
+    def objects(self, bucket: str) -> dict[str, bytes]:
+        client = self.client()
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                for o in page.get("Contents", [])]
+        return {key: client.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-API server over HTTP on loopback (moto's server mode)."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = S3Server(f"http://127.0.0.1:{port}", {"AWS_ACCESS_KEY_ID": "AKIARLHFTESTKEY00042",
+                                                     "AWS_SECRET_ACCESS_KEY": "rlhf-test-secret-9f8e7d6c5b4a"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                server.client().list_buckets()
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        yield server
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

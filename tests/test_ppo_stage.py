@@ -10,6 +10,7 @@ import pytest
 
 from stages import tracking
 from stages.config import load_config
+from stages.data import read_jsonl
 from stages.launch import execute
 
 TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -37,7 +38,7 @@ def version_tags(uri: str) -> dict:
 
 def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
     runs = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(full_run)}
-    assert set(runs) == {"data", "sft", "reward", "critic", "ppo"}
+    assert set(runs) == {"data", "sft", "reward", "critic", "ppo", "eval"}
     assert all(run.info.status == "FINISHED" for run in runs.values())
     outputs = tracking.outputs_of(full_run)
 
@@ -53,6 +54,33 @@ def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
     assert policy["rlhf.input.reward_model"] == outputs["reward_model"]
     assert policy["rlhf.input.critic_model"] == outputs["critic_model"]
     assert policy["rlhf.ppo_preset"] == "ppo-max"
+
+
+def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):
+    import pandas as pd
+
+    runs = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(full_run)}
+    outputs = tracking.outputs_of(full_run)
+    for stage, suite, model in (("reward", "reward", "reward_model"), ("critic", "critic", "critic_model"),
+                                ("ppo", "policy", "policy_model")):
+        assert runs[stage].data.tags[f"rlhf.contract.{suite}"] == "passed", stage
+        assert version_tags(outputs[model])["rlhf.contract"] == "passed", stage
+    cfg = load_config("tiny")
+    eval_rows = [r["row"] for r in read_jsonl(tracking.download(outputs["splits"]) / "eval_prompts.jsonl")]
+
+    critic = pd.read_parquet(tracking.download(outputs["critic_probe"]))
+    assert critic["row"].tolist() == eval_rows[: cfg.critic.eval_prompts]  # line numbers in the source file
+    assert critic["value_loss"].mean() == pytest.approx(runs["critic"].data.metrics["critic/heldout_value_loss"])
+    assert critic["explained_variance"].nunique() == 1  # the batch's, on every row
+
+    policy = pd.read_parquet(tracking.download(outputs["policy_probe"]))
+    assert policy["row"].tolist() == eval_rows[: cfg.ppo.eval_prompts]
+    history = {name: tracking.client().get_metric_history(runs["ppo"].info.run_id, name)
+               for name in ("eval/kl", "eval/response_length", "eval/eos_rate")}
+    assert policy["kl"].mean() == pytest.approx(history["eval/kl"][-1].value, rel=1e-5, abs=1e-6)  # the final evaluation
+    assert policy["ended_with_eos"].mean() == pytest.approx(history["eval/eos_rate"][-1].value)
+    baseline = next(m for m in history["eval/response_length"] if m.step == 0)  # the SFT policy
+    assert policy["sft_response_tokens_mean"].iloc[0] == pytest.approx(baseline.value)
 
 
 def test_ppo_logs_trl_metrics_samples_evals_and_checkpoints(full_run):
@@ -87,6 +115,32 @@ def test_vanilla_ppo_reruns_on_the_same_artifacts(full_run):
     ppo = stage_run(rerun, "ppo")
     assert ppo.data.params["ppo.preset"] == "vanilla"
     assert set(TRL_NAMES) <= set(ppo.data.metrics)  # the same names as the PPO-max run: comparable in MLflow
+
+
+def test_a_failed_policy_gate_tags_its_version_and_leaves_earlier_versions_as_they_were(full_run):
+    from data_contracts import ContractError
+    from flows.rlhf import rlhf
+
+    client = tracking.client()
+    names = [f"rlhf-tiny-{kind}" for kind in ("sft", "reward", "critic", "policy")]
+
+    def versions() -> dict[str, dict[str, dict]]:
+        return {name: {mv.version: dict(mv.tags) for mv in client.search_model_versions(f"name = '{name}'")}
+                for name in names}
+
+    before = versions()
+    with pytest.raises(ContractError) as err:  # no policy can be shorter than 0 × the SFT policy's length
+        rlhf(preset="tiny", overrides={"ppo.iterations": 1, "contracts.policy.max_length_ratio": 0.0}, stages=["ppo"],
+             from_run=full_run)
+    assert ("contract gate after 'ppo': suite 'policy' failed: expect_column_mean_to_be_between on column "
+            "'length_ratio'") in str(err.value)
+    after = versions()
+    (new,) = set(after["rlhf-tiny-policy"]) - set(before["rlhf-tiny-policy"])
+    assert after["rlhf-tiny-policy"][new]["rlhf.contract"] == "failed"
+    assert {name: {v: tags for v, tags in after[name].items() if v in before[name]} for name in names} == before
+    run = client.get_run(client.get_model_version("rlhf-tiny-policy", new).run_id)
+    assert run.data.tags["rlhf.contract.policy"] == "failed"
+    assert "policy.validation.json" in {f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "contracts")}
 
 
 def test_ppo_on_two_deepspeed_ranks(full_run):

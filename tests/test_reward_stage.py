@@ -57,6 +57,18 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
     assert len(margins) == WORST_PAIRS and margins == sorted(margins)
 
 
+def test_reward_gate_judges_one_row_per_heldout_pair(reward_run):
+    import pandas as pd
+
+    outputs, run = tracking.outputs_of(reward_run), stage_run(reward_run, "reward")
+    assert outputs["reward_run"] == run.info.run_id
+    assert run.data.tags["rlhf.contract"] == run.data.tags["rlhf.contract.reward"] == "passed"
+    probe = pd.read_parquet(tracking.download(outputs["reward_probe"]))
+    heldout = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: load_config("tiny").reward.eval_pairs]
+    assert probe["row"].tolist() == [r["row"] for r in heldout]  # line numbers in the source file
+    assert (probe["margin"] > 0).mean() == pytest.approx(run.data.metrics["eval/accuracy"])
+
+
 def test_registered_model_loads_back_with_its_score_statistics(reward_run):
     cfg = load_config("tiny", OVERRIDES)
     outputs = tracking.outputs_of(reward_run)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -11,11 +13,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / std over the masked entries (mean added back when shift_mean is False)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  all_reduce_sum=None) -> torch.Tensor:
+    """(x − mean) / std over the masked entries (mean added back when shift_mean is False).
+    `all_reduce_sum(list)` sums over ranks when given: a data-parallel minibatch is the union of
+    the ranks' minibatches, so its mean and std are taken over all of them."""
+    reduce = all_reduce_sum or list
+    count, total = reduce([float(mask.sum()), float((x * mask).sum())])
+    mean = total / max(count, 1.0)
+    (squares,) = reduce([float(((x - mean) ** 2 * mask).sum())])
+    whitened = (x - mean) / math.sqrt(squares / max(count, 1.0) + eps)
     return (whitened if shift_mean else whitened + mean) * mask
 
 

@@ -8,6 +8,7 @@ before a_j (read at sequence position P + j − 1).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    seconds: dict[str, float] | None = None  # wall time of each rollout phase, for time/* metrics and bench/
 
     def rows(self, index: torch.Tensor) -> "Experience":
         """A minibatch: the same fields for a subset of rows."""
@@ -106,17 +108,39 @@ def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: li
                     pad_id: int, generation: dict, device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
     `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores."""
+    lap = Laps(device)
     sequences, attention_mask, width, response_mask, ended = generate(
         actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device, **generation)
+    lap("generate")
     tokens = sequences[:, width:]
     temperature = generation["temperature"]
     logprobs = token_logprobs(response_logits(actor, sequences, attention_mask, width), tokens, temperature)
+    lap("logprobs")
     ref_logprobs = logprobs if reference is actor else token_logprobs(
         response_logits(reference, sequences, attention_mask, width), tokens, temperature)
+    lap("ref_logprobs")
     values = token_values(critic, sequences, attention_mask, width)
+    lap("values")
     scores = score_fn(sequences, attention_mask, width, response_mask).float()
+    lap("scores")
     return Experience(sequences, attention_mask, width, response_mask, ended, logprobs * response_mask,
-                      ref_logprobs * response_mask, values * response_mask, scores)
+                      ref_logprobs * response_mask, values * response_mask, scores, seconds=lap.seconds)
+
+
+class Laps:
+    """Wall seconds of consecutive phases, by name. Waits for the GPU at each lap: kernels run
+    asynchronously, and a phase would else be charged for the previous one's."""
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[phase], self.last = now - self.last, now
 
 
 def reward_model_scores(reward_model: RewardModel):

@@ -18,7 +18,7 @@ from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import masked_mean
-from stages.ppo.experience import make_experience, reward_model_scores, rule_scores
+from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer
 from stages.reward.model import load_reward_model
@@ -59,20 +59,24 @@ def initial_moments(reward_model) -> RunningMoments:
 
 
 @torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: list[list[int]]) -> dict[str, float]:
-    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT."""
-    exp = make_experience(trainer.actor.module, trainer.reference, trainer.critic.module, trainer.score_fn, prompts,
-                          eos_id=trainer.eos_id, pad_id=trainer.pad_id,
-                          generation=trainer.ppo.generation.model_dump(), device=trainer.dist.device)
+def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> tuple[dict[str, float], pd.DataFrame]:
+    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT; and
+    per response (each rank's share of `rows`, gathered) what the policy contract judges."""
+    exp, _, _ = trainer.rollout(prompts, update_moments=False)
     mask = exp.response_mask
+    kl = ((exp.logprobs - exp.ref_logprobs) * mask).sum(1)
     metrics = {
         "eval/score": exp.scores.mean().item(),
         "eval/response_length": mask.sum(1).mean().item(),
         "eval/perplexity": torch.exp(-masked_mean(exp.logprobs, mask)).item(),
-        "eval/kl": ((exp.logprobs - exp.ref_logprobs) * mask).sum(1).mean().item(),
+        "eval/kl": kl.mean().item(),
         "eval/eos_rate": exp.ended_with_eos.float().mean().item(),
     }
-    return trainer.mean_across_ranks(metrics)
+    per_response = {"response_tokens": mask.sum(1), "ended_with_eos": exp.ended_with_eos, "kl": kl,
+                    "perplexity": torch.exp(-masked_mean(exp.logprobs, mask, dim=1)), "score": exp.scores}
+    gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in per_response.items()})
+    frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int, "ended_with_eos": bool})
+    return trainer.mean_across_ranks(metrics), frame
 
 
 def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:
@@ -108,8 +112,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     splits_dir = Path(inputs["splits_dir"])
     tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
     prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "ppo_prompts.jsonl"), ppo.max_prompt_len)
-    eval_prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.eval_prompts],
-                                  ppo.max_prompt_len)[dist.rank :: dist.world_size]
+    heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.eval_prompts]
+    eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
+    eval_prompts = encode_prompts(tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
     ptx = [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len, cfg.sft.max_response_len)
            for r in read_jsonl(splits_dir / "sft.jsonl")]
     trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
@@ -117,6 +122,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
 
     checkpoints = dist.workdir / "checkpoints"
     resume_from = checkpoint.latest(checkpoints)
+    # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
+    # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
+    # curve and of the policy contract.
+    baseline_metrics, baseline = evaluate(trainer, eval_prompts, eval_rows)
     if resume_from is not None:
         checkpoint.load(trainer, resume_from)
     if dist.is_main:
@@ -126,19 +135,15 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                             "ppo.critic_model": inputs.get("critic_model", "reward model")}
                            if resume_from is None else {})
         tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
-
-    if trainer.iteration == 0:  # the SFT policy's held-out numbers: the baseline of every curve
-        baseline = evaluate(trainer, eval_prompts)
-        if dist.is_main:
-            tracker.log_metrics(baseline, step=0)
+        tracker.log_metrics(baseline_metrics, step=0)
     progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
                     disable=not dist.is_main, dynamic_ncols=True)
     started = time.perf_counter()
     while trainer.iteration < ppo.iterations:
         metrics = trainer.step()
         it = trainer.iteration
-        if it % ppo.eval_every == 0 or it == ppo.iterations:
-            metrics.update(evaluate(trainer, eval_prompts))
+        if it % ppo.eval_every == 0 and it < ppo.iterations:  # the last one follows the loop
+            metrics.update(evaluate(trainer, eval_prompts, eval_rows)[0])
         if dist.is_main:
             tracker.log_metrics(metrics, step=it)
             if it % ppo.samples_every == 0 or it == ppo.iterations:
@@ -152,10 +157,14 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         progress.update(1)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
     progress.close()
+    final_metrics, final = evaluate(trainer, eval_prompts, eval_rows)
 
     outputs: dict = {}
     if dist.is_main:
-        tracker.log_metrics({"ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
+        tracker.log_metrics({**final_metrics, "ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
+        # The policy contract's probe: the final evaluation beside the SFT policy's means.
+        probe = final.assign(sft_response_tokens_mean=baseline["response_tokens"].mean(),
+                             sft_perplexity_mean=baseline["perplexity"].mean())
         out = tracker.workdir / "model"
         policy = trainer.actor.module
         policy.config.use_cache = True
@@ -170,12 +179,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.input.splits": inputs["splits"],
             "rlhf.data_digest": inputs.get("data_digest", ""),
             "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward", "critic", "ppo"),
+            "rlhf.config_hash": cfg.stage_hash("ppo"),
             "rlhf.pipeline_run": tracker.pipeline_run_id,
             "rlhf.ppo_preset": ppo.preset,
         }
         version = tracker.register("policy", "model", cfg.registry_prefix, lineage)
         outputs = {"policy_model": version, "policy_model_artifact": tracker.artifact_uri("model"),
-                   "ppo_run": tracker.run_id}
+                   "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
     return outputs

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from stages.config import PPOConfig
-from stages.launch import Dist, make_engine
+from stages.launch import Dist, clip_grad_norm, make_engine
 from stages.ppo.advantages import gae, masked_mean, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_logprobs, token_values
 from stages.ppo.losses import entropy_from_logits, policy_loss, ptx_loss, value_loss
@@ -36,8 +36,8 @@ class PPOTrainer:
         steps_per_iteration = ppo.ppo_epochs * math.ceil(ppo.rollout_batch_size / ppo.minibatch_size)
         warmup = ppo.warmup_iterations * steps_per_iteration
         # Global clipping clips actor and critic together below; the engines then must not clip alone.
-        joint = self.switches["global_grad_clip"] and dist.deepspeed_config is None
-        engine_clip = math.inf if joint else ppo.max_grad_norm
+        self.joint_clip = self.switches["global_grad_clip"] and train_actor
+        engine_clip = math.inf if self.joint_clip else ppo.max_grad_norm
 
         def engine(model, lr):
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ppo.adam_betas)
@@ -46,7 +46,6 @@ class PPOTrainer:
 
         self.actor = engine(actor, ppo.actor_lr) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
         self.critic = engine(critic, ppo.critic_lr)
-        self.joint_clip = joint and train_actor
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.rng = random.Random(ppo.seed)
         self.order = self._shuffled()
@@ -69,23 +68,29 @@ class PPOTrainer:
         return [self.prompts[i] for i in self.order[start : start + size]]
 
     # -- one iteration ------------------------------------------------------------------------
-    def step(self) -> dict[str, float]:
+    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True) -> tuple[Experience, torch.Tensor, float]:
+        """Roll out on `prompts`, shape the rewards and run GAE: (the experience with rewards, KL,
+        advantages and returns; the shaped scores; β). Held-out rollouts pass update_moments=False:
+        they are judged on the running score statistics without changing them."""
         ppo, sw = self.ppo, self.switches
-        started = time.perf_counter()
-        gen = ppo.generation.model_dump()
-        exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, self.next_prompts(),
-                              eos_id=self.eos_id, pad_id=self.pad_id, generation=gen, device=self.dist.device)
-        rollout_seconds = time.perf_counter() - started
-
+        exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, prompts,
+                              eos_id=self.eos_id, pad_id=self.pad_id, generation=ppo.generation.model_dump(),
+                              device=self.dist.device)
         # Score reparameterisation on running statistics, updated before use (§5.3.1).
         scores = apply_eos_penalty(exp.scores, exp.ended_with_eos, ppo.eos_penalty_score if sw["eos_penalty"] else None)
-        if sw["score_mode"] != "none":
+        if sw["score_mode"] != "none" and update_moments:
             self.moments.update(scores, self.dist.all_reduce_sum if self.dist.distributed else None)
         shaped = reparameterise_scores(scores, self.moments, sw["score_mode"], ppo.score_clip)
         # Token rewards (eq. 1–2) and GAE (eq. 3).
         beta = ppo.kl_coef if sw["kl_penalty"] else 0.0
         exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, beta, ppo.kl_estimator)
         exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
+        return exp, shaped, beta
+
+    def step(self) -> dict[str, float]:
+        started = time.perf_counter()
+        exp, shaped, beta = self.rollout(self.next_prompts())
+        rollout_seconds = time.perf_counter() - started
 
         train_started = time.perf_counter()
         stats = self.optimise(exp)
@@ -114,6 +119,7 @@ class PPOTrainer:
             "reward/running_std": self.moments.std,
             **stats,
             "time/rollout": rollout_seconds,
+            **{f"time/{phase}": seconds for phase, seconds in exp.seconds.items()},  # the rollout's parts
             "time/train": time.perf_counter() - train_started,
             "eps": len(exp.scores) * self.dist.world_size / elapsed,
         }
@@ -135,7 +141,10 @@ class PPOTrainer:
             for start in range(0, len(order), ppo.minibatch_size):
                 mb = exp.rows(order[start : start + ppo.minibatch_size])
                 mask = mb.response_mask
-                advantages = masked_whiten(mb.advantages, mask) if sw["whiten_advantages"] else mb.advantages
+                if sw["whiten_advantages"]:  # over the global minibatch: the same on 1 rank or N
+                    advantages = masked_whiten(mb.advantages, mask, all_reduce_sum=self.dist.all_reduce_sum)
+                else:
+                    advantages = mb.advantages
                 if ppo.advantage_clip is not None:
                     advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
 
@@ -161,12 +170,7 @@ class PPOTrainer:
                         "policy/entropy_avg": entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
                         "val/ratio": pg_stats["ratio"], "val/ratio_var": pg_stats["ratio_var"],
                     })
-                if self.joint_clip:
-                    params = [p for model in (self.actor.module, self.critic.module) for p in model.parameters()
-                              if p.grad is not None]
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ppo.max_grad_norm))
-                else:
-                    grad_norm = float("nan")
+                grad_norm = clip_grad_norm([self.actor, self.critic], ppo.max_grad_norm) if self.joint_clip else math.nan
                 self.actor.step()
                 self.critic.step()
                 for name, value in step_stats.items():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -89,6 +90,11 @@ class HeldoutScores:
             "eval/score_mean": float(scores.mean()),
             "eval/score_std": float(scores.std()),
         }
+
+    def probe(self, rows: list[dict]) -> pd.DataFrame:
+        """One row per held-out pair (`row`: its line number in the source file), for the RM contract."""
+        return pd.DataFrame({"row": [r["row"] for r in rows], "r_chosen": self.r_chosen,
+                             "r_rejected": self.r_rejected, "margin": self.margins})
 
 
 @torch.no_grad()
@@ -198,6 +204,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_artifact(histogram, "eval")
         tracker.client.log_table(tracker.run_id, data=worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
                                  artifact_file="eval/worst_pairs.json")
+        probe_uri = tracker.log_probe(scores.probe(heldout_rows), "reward_probe")
         out = tracker.workdir / "model"
         save_reward_model(engine.module, tokenizer, out, {"heldout_pairs": len(heldout),
                                                            "heldout_accuracy": metrics["eval/accuracy"]})
@@ -208,13 +215,14 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.input.splits": inputs["splits"],
             "rlhf.data_digest": inputs.get("data_digest", ""),
             "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.section_hash("model", "data", "sft", "reward"),
+            "rlhf.config_hash": cfg.stage_hash("reward"),
             "rlhf.pipeline_run": tracker.pipeline_run_id,
             "rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
             "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
             "rlhf.score_std": f"{metrics['eval/score_std']:.6g}",
         }
         version = tracker.register("reward", "model", cfg.registry_prefix, lineage)
-        outputs = {"reward_model": version, "reward_model_artifact": tracker.artifact_uri("model")}
+        outputs = {"reward_model": version, "reward_model_artifact": tracker.artifact_uri("model"),
+                   "reward_run": tracker.run_id, "reward_probe": probe_uri}
     dist.barrier()
     return outputs

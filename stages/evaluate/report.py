@@ -1,0 +1,137 @@
+"""The evaluation report: win/tie/lose per split and judge, the C-Eval table with the SFT → policy
+delta (the alignment tax), bar charts like the paper's Figs. 10–11, and the markdown text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from stages.evaluate.ceval import CATEGORIES
+
+COLORS = {"win": "#4c72b0", "tie": "#b0b0b0", "lose": "#dd8452", "invalid": "#c44e52"}
+
+
+def slug(name: str) -> str:
+    return name.lower().replace(" ", "_")
+
+
+def ceval_table(accuracies: dict[tuple[int, str], dict]) -> pd.DataFrame:
+    """Rows (shots, scope, name) with a column per model and, with both, `delta` = policy − SFT.
+    accuracies: (shots, model) → `ceval.accuracy(...)`."""
+    rows: dict[tuple, dict] = {}
+    for (shots, model), acc in accuracies.items():
+        for scope in ("overall", "category", "subject"):
+            for name, value in acc[scope].items():
+                rows.setdefault((shots, scope, name), {})[model] = value
+    table = pd.DataFrame([{"shots": k[0], "scope": k[1], "name": k[2], **v} for k, v in rows.items()])
+    models = [m for m in ("sft", "policy") if m in table.columns]
+    table = table[["shots", "scope", "name", *models]]
+    if len(models) == 2:
+        table["delta"] = table["policy"] - table["sft"]
+    return table
+
+
+def ceval_metrics(table: pd.DataFrame) -> dict[str, float]:
+    """eval/ceval_<k>shot/overall/<model>, .../<category>/<model>, .../subject/<name>/<model>."""
+    metrics = {}
+    for row in table.to_dict(orient="records"):
+        where = "overall" if row["scope"] == "overall" else slug(row["name"]) if row["scope"] == "category" \
+            else f"subject/{row['name']}"
+        for column in ("sft", "policy", "delta"):
+            if pd.notna(row.get(column)):
+                metrics[f"eval/ceval_{row['shots']}shot/{where}/{column}"] = row[column]
+    return metrics
+
+
+def ceval_chart(table: pd.DataFrame, path: Path) -> None:
+    """Accuracy per category and overall, SFT beside the policy, one panel per shot count (Fig. 11)."""
+    shots = sorted(table["shots"].unique())
+    models = [m for m in ("sft", "policy") if m in table.columns]
+    figure = Figure(figsize=(4.5 * len(shots), 3.6), dpi=100)
+    FigureCanvasAgg(figure)
+    for axes, k in zip(figure.subplots(1, len(shots), squeeze=False)[0], shots):
+        part = table[(table["shots"] == k) & (table["scope"] != "subject")].set_index("name")
+        names = [n for n in (*CATEGORIES, "all") if n in part.index]
+        width = 0.8 / len(models)
+        for i, model in enumerate(models):
+            axes.bar([x + i * width for x in range(len(names))], part.loc[names, model], width,
+                     label={"sft": "SFT", "policy": "policy"}[model])
+        axes.axhline(0.25, color="black", linewidth=0.8, linestyle=":")  # chance
+        axes.set_xticks([x + width * (len(models) - 1) / 2 for x in range(len(names))],
+                        [n.replace("Social Science", "Social\nScience").replace("all", "Average") for n in names])
+        axes.set_ylim(0, 1)
+        axes.set_ylabel("accuracy")
+        axes.set_title(f"C-Eval val, {k}-shot")
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def judge_table(judged: pd.DataFrame) -> pd.DataFrame:
+    """win/tie/lose/invalid counts per (split, judge)."""
+    counts = judged.groupby(["split", "judge"])["verdict"].value_counts().unstack(fill_value=0)
+    counts = counts.reindex(columns=["win", "tie", "lose", "invalid"], fill_value=0)
+    counts["n"] = counts.sum(axis=1)
+    return counts.reset_index()
+
+
+def judge_chart(table: pd.DataFrame, path: Path) -> None:
+    """Stacked horizontal bars, policy vs SFT: win / tie / lose (and invalid) per judge (Fig. 10)."""
+    figure = Figure(figsize=(7, 1.0 + 0.5 * len(table)), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    labels = [f"{r.split} · {r.judge}" for r in table.itertuples()]
+    left = pd.Series(0.0, index=table.index)
+    for verdict in ("win", "tie", "lose", "invalid"):
+        share = table[verdict] / table["n"]
+        axes.barh(labels, share, left=left, color=COLORS[verdict], label=verdict)
+        for y, (x, s) in enumerate(zip(left, share)):
+            if s >= 0.08:
+                axes.text(x + s / 2, y, f"{s:.0%}", ha="center", va="center", fontsize=8, color="white")
+        left += share
+    axes.set_xlim(0, 1)
+    axes.invert_yaxis()
+    axes.set_xlabel("share of judged pairs (policy vs SFT)")
+    axes.legend(ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def _markdown_table(frame: pd.DataFrame, floats: str = "{:.3f}") -> str:
+    def cell(value) -> str:
+        return floats.format(value) if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None, judges: pd.DataFrame | None,
+             champion: str, questions_per_s: float) -> str:
+    """The full report (report.md in the eval run)."""
+    lines = [f"# Evaluation, MLflow run `{run_id}`", ""]
+    lines += [f"- {name}: `{uri}`" for name, uri in models.items()] + [f"- champion: {champion}", ""]
+    if judges is not None:
+        lines += ["## Policy vs SFT, judged in both orders (a changed mind is a tie)", "", _markdown_table(judges), "",
+                  "![win/tie/lose](judges.png)", ""]
+    if ceval is not None:
+        summary = ceval[ceval["scope"] != "subject"].drop(columns="scope")
+        lines += ["## C-Eval val (accuracy; delta = policy − SFT, the alignment tax when negative)", "",
+                  _markdown_table(summary), "", "![C-Eval](ceval.png)", "",
+                  f"{questions_per_s:.1f} questions/s scored.", "", "### Per subject", "",
+                  _markdown_table(ceval[ceval["scope"] == "subject"].drop(columns="scope")), ""]
+    return "\n".join(lines)
+
+
+def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, judges: pd.DataFrame | None,
+            champion: str) -> str:
+    """The short version the flow publishes as a Prefect artifact, linking to the full report."""
+    lines = [f"# Evaluation: champion {champion}", "", f"Full report: [{report_uri}]({report_uri}) (MLflow run `{run_id}`).", ""]
+    if judges is not None:
+        lines += [_markdown_table(judges), ""]
+    if ceval is not None:
+        lines += [_markdown_table(ceval[ceval["scope"] == "overall"].drop(columns=["scope", "name"])), ""]
+    return "\n".join(lines)

@@ -1,0 +1,209 @@
+"""The eval stage: C-Eval of the SFT model and the policy (the alignment tax), both models'
+sampled responses to held-out eval prompts judged pairwise by each configured judge, the report
+and probe frame in the stage's run, and the registry alias @champion on the policy version when
+the first judge finds it better than SFT by `eval.champion_margin`. A run without a policy
+(only SFT ran) gets C-Eval of the SFT model alone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from stages import sources, tracking
+from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
+from stages.data import read_jsonl
+from stages.evaluate import ceval, report
+from stages.evaluate.judge import LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, tally
+from stages.launch import Dist
+from stages.ppo.experience import generate
+from stages.ppo.stage import encode_prompts
+from stages.reward.model import load_reward_model
+from stages.sft import corpus_texts
+
+CHAMPION_ALIAS = "champion"
+
+
+def judge_model_config(cfg: PipelineConfig, judge: LocalJudgeConfig) -> ModelConfig:
+    """The local judge's model: the pipeline's base model unless the judge names another."""
+    return cfg.model if judge.model is None else cfg.model.model_copy(update={"name_or_path": judge.model, "tokenizer": None})
+
+
+def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+    """Local copies of the splits and of every model the evaluation reads."""
+    splits_dir = tracking.download(inputs["splits"])
+    local = {"splits_dir": str(splits_dir), "sft_model_dir": str(tracking.download(inputs["sft_model"]))}
+    for name in ("policy_model", "reward_model"):
+        if inputs.get(name):
+            local[f"{name}_dir"] = str(tracking.download(inputs[name]))
+    if inputs.get("policy_model"):
+        for judge in cfg.eval.judges:
+            if judge.kind == "local":
+                local[f"judge_{judge.name}_dir"] = sources.materialise_model(
+                    judge_model_config(cfg, judge), corpus=lambda: corpus_texts(splits_dir))
+    return local
+
+
+def load_lm(model_dir: str, model_cfg: ModelConfig, device: str):
+    tokenizer = sources.load_tokenizer(model_dir, model_cfg)
+    model = sources.load_model(model_dir, model_cfg).to(device).eval()
+    sources.align_pad_token(model, tokenizer)
+    return model, tokenizer
+
+
+def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str) -> list[str]:
+    """Sampled responses (eval.generation: nucleus sampling, temperature, repetition penalty)."""
+    ev = cfg.eval
+    torch.manual_seed(ev.seed)  # both models sample from the same random stream
+    prompts = encode_prompts(tokenizer, rows, ev.max_prompt_len)
+    out = []
+    for start in range(0, len(prompts), ev.generation_batch_size):
+        sequences, _, width, _, _ = generate(model, prompts[start : start + ev.generation_batch_size],
+                                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                             device=device, **ev.generation.model_dump())
+        out += [text.strip() for text in tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)]
+    return out
+
+
+def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
+    if spec.kind == "openai":
+        return OpenAIJudge(spec, sources.cache_dir() / "judge")
+    if spec.kind == "local":
+        model, tokenizer = load_lm(inputs[f"judge_{spec.name}_dir"], judge_model_config(cfg, spec), device)
+        return LocalJudge(spec, model, tokenizer, cfg.eval.generation_batch_size)
+    if "reward_model_dir" not in inputs:
+        raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none")
+    folder = inputs["reward_model_dir"]
+    reward_model = load_reward_model(folder, cfg.model).to(device).eval()
+    return RewardModelJudge(spec, reward_model, sources.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
+                            cfg.reward.max_response_len, cfg.eval.generation_batch_size)
+
+
+def probe_frame(answers: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
+    """The eval contract's frame: one row per C-Eval answer and per judged pair (`row`: the line
+    in the C-Eval CSV or in the HH file)."""
+    ceval_rows = answers.rename(columns={"logprob": "score"}).assign(kind="ceval")
+    judge_rows = judged.assign(kind="judge")
+    columns = ["row", "kind", "model", "shots", "subject", "answer", "predicted", "score", "split", "judge",
+               "judge_kind", "verdict", "score_policy", "score_sft"]
+    parts = [f for f in (ceval_rows, judge_rows) if len(f)]
+    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()  # nothing scored: the gate says so
+    return frame.reindex(columns=columns).astype({"shots": "Int64", "score": float, "score_policy": float,
+                                                  "score_sft": float})
+
+
+def set_champion(client, policy_uri: str) -> None:
+    name, version = policy_uri.removeprefix("models:/").split("/")
+    client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
+
+
+def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
+                     device: str) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
+    """C-Eval answers of each model, and (answering) its responses to the eval prompts; each
+    model is loaded once for both. Returns (answers, responses by model, C-Eval seconds)."""
+    ev = cfg.eval
+    val, dev = ceval.load(cfg.data, ev.ceval.subjects, ev.ceval.max_questions_per_subject,
+                          with_dev=max(ev.ceval.shots, default=0) > 0)
+    answers, responses, seconds = [], {}, 0.0
+    for name, model_dir in models.items():
+        model, tokenizer = load_lm(model_dir, cfg.model, device)
+        for shots in ev.ceval.shots:
+            t = time.perf_counter()
+            answers.append(ceval.score(model, tokenizer, val, dev, shots, ev.ceval.batch_size, ev.ceval.max_seq_len)
+                           .assign(model=name, shots=shots))
+            seconds += time.perf_counter() - t
+            print(f"eval: C-Eval {shots}-shot, {name}: {ceval.accuracy(answers[-1])['overall']['all']:.3f} "
+                  f"({len(answers[-1])} questions, {time.perf_counter() - t:.0f} s)")
+        if answering:
+            t = time.perf_counter()
+            responses[name] = respond(model, tokenizer, rows, cfg, device)
+            print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
+    return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds
+
+
+def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str) -> pd.DataFrame:
+    """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair."""
+    judged = []
+    for spec in cfg.eval.judges:
+        t = time.perf_counter()
+        judge = make_judge(spec, cfg, inputs, device)
+        frame = judge_pairs(judge, pairs[: spec.prompts] if spec.prompts else pairs)
+        judged.append(frame.assign(split=cfg.eval.split, judge_kind=spec.kind))
+        print(f"eval: judge {spec.name}: {frame['verdict'].value_counts().to_dict()} ({time.perf_counter() - t:.0f} s)")
+    return pd.concat(judged, ignore_index=True)
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
+    ev = cfg.eval
+    started = time.perf_counter()
+    models = {"sft": inputs["sft_model_dir"]}
+    if inputs.get("policy_model_dir"):
+        models["policy"] = inputs["policy_model_dir"]
+    judging = "policy" in models and bool(ev.judges)
+    tracker.log_params({"eval": ev.model_dump(mode="json"), "eval.sft_model": inputs["sft_model"],
+                        "eval.policy_model": inputs.get("policy_model", "none: C-Eval of the SFT model only"),
+                        "eval.reward_model": inputs.get("reward_model", "none")})
+
+    rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: ev.prompts]
+    answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device)
+    judged = pd.DataFrame()
+    if judging:
+        pairs = [Pair(r["row"], r["messages"], p, s) for r, p, s in zip(rows, responses["policy"], responses["sft"])]
+        judged = judge_all(cfg, inputs, pairs, dist.device)
+
+    # Metrics and the champion decision.
+    metrics: dict[str, float] = {}
+    ceval_table = None
+    if len(answers):
+        groups = answers.groupby(["shots", "model"])
+        ceval_table = report.ceval_table({key: ceval.accuracy(group) for key, group in groups})
+        metrics.update(report.ceval_metrics(ceval_table))
+        metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
+    judge_table, champion = None, "no policy"
+    if len(judged):
+        judge_table = report.judge_table(judged)
+        for spec in ev.judges:
+            for key, value in tally(judged[judged["judge"] == spec.name]).items():
+                metrics[f"eval/judge/{spec.name}/{key}"] = value
+        decider = ev.judges[0].name
+        net_win = metrics[f"eval/judge/{decider}/net_win"]
+        won = net_win >= ev.champion_margin
+        champion = (f"{'yes' if won else 'no'} (judge {decider}: (win − lose)/n = {net_win:.3f}, "
+                    f"margin {ev.champion_margin})")
+        metrics["eval/champion"] = float(won)
+        if won:
+            set_champion(tracker.client, inputs["policy_model"])
+    metrics["eval/seconds"] = time.perf_counter() - started
+    tracker.log_metrics(metrics, step=0)
+    tracker.set_tags({"rlhf.champion": champion})
+
+    # The report, its tables and plots, and the contract's probe frame.
+    out = tracker.workdir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    if ceval_table is not None:
+        ceval_table.to_csv(out / "ceval.csv", index=False)
+        answers.to_csv(out / "ceval_answers.csv", index=False)
+        report.ceval_chart(ceval_table, out / "ceval.png")
+    if judge_table is not None:
+        judge_table.to_csv(out / "judges.csv", index=False)
+        judged.to_json(out / "judgements.jsonl", orient="records", lines=True, force_ascii=False)
+        pd.DataFrame({"row": [r["row"] for r in rows], **responses}).to_json(
+            out / "responses.jsonl", orient="records", lines=True, force_ascii=False)
+        report.judge_chart(judge_table, out / "judges.png")
+    model_uris = {"sft": inputs["sft_model"], **({"policy": inputs["policy_model"]} if "policy" in models else {})}
+    (out / "report.md").write_text(report.markdown(
+        run_id=tracker.run_id, models=model_uris, ceval=ceval_table, judges=judge_table, champion=champion,
+        questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0)))
+    report_uri = f"{tracker.client.get_run(tracker.run_id).info.artifact_uri}/report/report.md"
+    (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
+                                                   judges=judge_table, champion=champion))
+    tracker.log_artifacts(out, "report")
+    probes = tracker.workdir / "contracts"
+    probes.mkdir(parents=True, exist_ok=True)
+    probe_frame(answers, judged).to_parquet(probes / "eval_probe.parquet", index=False)
+    tracker.log_artifacts(probes, "contracts")
+    return {"eval_run": tracker.run_id, "eval_probe": tracker.artifact_uri("contracts/eval_probe.parquet"),
+            "eval_report": tracker.artifact_uri("report/report.md"),
+            "eval_summary": tracker.artifact_uri("report/summary.md")}

@@ -1,0 +1,147 @@
+"""Pipeline runs as a user looks at them: the stages of each (ran, reused from an earlier run,
+failed), their headline metrics, and two runs side by side: metrics, the parameters in which
+they differ, and their PPO curves in one figure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages import tracking
+from stages.launch import STAGE_MODULES
+
+# The numbers that say how a stage went (the last value logged), in the order shown.
+HEADLINE_METRICS = {
+    "data": ("data/rows", "data/dropped"),
+    "sft": ("eval/perplexity",),
+    "reward": ("eval/accuracy", "eval/margin"),
+    "critic": ("critic/final_value_loss", "critic/final_explained_variance"),
+    "ppo": ("objective/scores", "objective/kl", "eval/score", "policy/response_length"),
+}
+# PPO's key curves (per iteration), drawn for both runs of a comparison.
+PPO_CURVES = ("objective/scores", "objective/kl", "eval/score", "policy/response_length")
+
+
+@dataclass
+class StageView:
+    stage: str
+    # its own stage run's status (FINISHED, FAILED, RUNNING, KILLED); `reused` or `deployed`
+    # (tracking.STAGE_TAG_PREFIX); `not run`; or `inherited` (a stage of the run it started from)
+    status: str
+    run: object | None  # the MLflow stage run that holds its outputs and metrics
+
+    def headline(self) -> dict[str, float]:
+        metrics = self.run.data.metrics if self.run else {}
+        return {name: metrics[name] for name in HEADLINE_METRICS.get(self.stage, ()) if name in metrics}
+
+
+def stage_views(pipeline_run, inherited: bool = False) -> list[StageView]:
+    """The stages of a pipeline run in order, each with the stage run that holds it: its own
+    child run, the earlier run it reused or the run its deployment made; with `inherited`, also
+    the stages of the runs it started from (`from_run`, recursively) that it did not run itself."""
+    mlflow_client = tracking.client()
+    recorded = tracking.recorded_stages(pipeline_run)
+    children = tracking.stage_runs(pipeline_run.info.run_id)  # newest first
+    views = []
+    for stage in filter(None, pipeline_run.data.tags.get("rlhf.stages", "").split(",")):
+        if stage in recorded:
+            how, run_id = recorded[stage]
+            run = mlflow_client.get_run(run_id)
+            views.append(StageView(stage, run.info.status if how == "ran" else how, run))
+        else:
+            run = next((r for r in children if r.data.tags.get("rlhf.stage") == stage), None)
+            views.append(StageView(stage, run.info.status if run else "not run", run))
+    from_run = pipeline_run.data.tags.get("rlhf.from_run")
+    if inherited and from_run:
+        own = {view.stage for view in views}
+        views += [StageView(view.stage, "inherited", view.run)
+                  for view in stage_views(mlflow_client.get_run(from_run), inherited=True) if view.stage not in own]
+    return sorted(views, key=lambda view: list(STAGE_MODULES).index(view.stage))
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _cell(value: str, width: int = 48) -> str:
+    return value if len(value) <= width else value[: width - 1] + "…"
+
+
+def format_runs(runs: list) -> str:
+    """One block per pipeline run: id, name, status, start, origin; a line per stage."""
+    import datetime
+
+    blocks = []
+    for run in runs:
+        tags = run.data.tags
+        started = datetime.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M")
+        origin = f"  from {tags['rlhf.from_run']}" if "rlhf.from_run" in tags else ""
+        lines = [f"{run.info.run_id}  {run.info.run_name}  {run.info.status}  {started}  "
+                 f"preset {tags.get('rlhf.preset', '?')}{origin}"]
+        for view in stage_views(run):
+            metrics = "  ".join(f"{name} {_number(value)}" for name, value in view.headline().items())
+            run_id = view.run.info.run_id if view.run else "-"
+            lines.append(f"  {view.stage:<7} {view.status:<9} {run_id:<32}  {metrics}".rstrip())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else "no pipeline runs"
+
+
+def _params(pipeline_run, views: list[StageView]) -> dict[str, str]:
+    """The parent's parameters (the resolved config) and those its stage runs logged (effective
+    PPO switches, engines, input versions)."""
+    params = dict(pipeline_run.data.params)
+    for view in views:
+        if view.run is not None:
+            params.update(view.run.data.params)
+    return params
+
+
+def compare(run_a: str, run_b: str, png: Path) -> str:
+    """The headline table of two pipeline runs (metrics per stage, then the parameters that
+    differ); writes their PPO curves to `png`."""
+    mlflow_client = tracking.client()
+    runs = [mlflow_client.get_run(run_a), mlflow_client.get_run(run_b)]
+    views = [{view.stage: view for view in stage_views(run, inherited=True)} for run in runs]
+    names = [f"{run.info.run_name} ({run.info.run_id[:8]})" for run in runs]
+    rows = [("", "", *names)]
+    for stage, metrics in HEADLINE_METRICS.items():
+        values = [views[k][stage].headline() if stage in views[k] else {} for k in range(2)]
+        for name in metrics:
+            if any(name in v for v in values):
+                rows.append((stage, name, *(_number(v[name]) if name in v else "-" for v in values)))
+    params = [_params(run, list(v.values())) for run, v in zip(runs, views)]
+    differ = sorted(key for key in set(params[0]) | set(params[1]) if params[0].get(key) != params[1].get(key))
+    rows.append(("", "", "", ""))
+    rows += [("param", key, _cell(params[0].get(key, "-")), _cell(params[1].get(key, "-"))) for key in differ]
+    widths = [max(len(str(row[col])) for row in rows) for col in range(4)]
+    table = "\n".join("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    labels = [f"{name}, {p['ppo.preset']}" if "ppo.preset" in p else name for name, p in zip(names, params)]
+    _plot_ppo_curves([v.get("ppo") for v in views], labels, png)
+    return table
+
+
+def _plot_ppo_curves(ppo_views: list[StageView | None], names: list[str], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    mlflow_client = tracking.client()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, metric in zip(axes.flat, PPO_CURVES):
+        for view, name in zip(ppo_views, names):
+            if view is None or view.run is None:
+                continue
+            history = sorted(mlflow_client.get_metric_history(view.run.info.run_id, metric), key=lambda m: m.step)
+            ax.plot([m.step for m in history], [m.value for m in history], marker="o", markersize=3, label=name)
+        ax.set_title(metric)
+        ax.set_xlabel("PPO iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("PPO: " + " vs ".join(names))
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

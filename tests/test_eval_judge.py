@@ -1,0 +1,111 @@
+"""Pairwise judging end to end over HTTP, against an OpenAI-compatible server on loopback that
+prefers the shorter answer: position swap, ties, 429 and 5xx retries, a timeout, unparseable
+verdicts (retried once, then counted), the on-disk cache (a second run makes no HTTP call), key
+handling; and the local chat judge on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval_helpers import SECRET, JudgeServer, tiny_lm
+from stages.config import LocalJudgeConfig, OpenAIJudgeConfig
+from stages.evaluate.judge import JudgeError, LocalJudge, OpenAIJudge, Pair, judge_pairs, parse_verdict, tally
+
+KEY_ENV = "RLHF_TEST_JUDGE_KEY"
+MESSAGES = [{"role": "user", "content": "How do I bake bread?"}]
+# (policy answer, SFT answer, expected verdict)
+CASES = [
+    ("Knead, rise, bake.", "Mix flour, water, yeast and salt; knead; let it rise; bake at 230 C.", "win"),
+    ("Mix flour, water, yeast and salt; knead; let it rise; bake at 230 C.", "Knead, rise, bake.", "lose"),
+    ("Knead it well.", "Bake it slowly", "tie"),  # equal lengths: [[C]] in both orders
+    ("FIRST: short.", "FIRST: a much longer answer.", "tie"),  # always [[A]]: the orders disagree
+    ("RATE short.", "RATE a much longer answer.", "win"),  # 429 first, then judged
+    ("CRASH: a much longer answer.", "CRASH: short.", "lose"),  # 500 first
+    ("SLOW short.", "SLOW a much longer answer.", "win"),  # times out first
+    ("GARBLE short.", "GARBLE a much longer answer.", "win"),  # no verdict, the retry has one
+    ("NEVER short.", "NEVER a much longer answer.", "invalid"),  # no verdict twice: counted, not guessed
+]
+
+
+@pytest.fixture
+def key(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+
+
+def _judge(server, tmp_path, **overrides) -> OpenAIJudge:
+    settings = {"timeout_s": 0.5, "max_retries": 2, "backoff_s": 0.01, **overrides}
+    cfg = OpenAIJudgeConfig(base_url=server.base_url, api_key_env=KEY_ENV, **settings)
+    return OpenAIJudge(cfg, tmp_path / "cache")
+
+
+def test_parse_verdict():
+    assert parse_verdict("A is clearer.\n[[A]]") == "A"
+    assert parse_verdict("[[C]]") == "tie" and parse_verdict(" B. ") == "B"
+    assert parse_verdict("[[A]] or maybe [[B]]") is None  # two verdicts: none
+    assert parse_verdict("Both are fine.") is None and parse_verdict("") is None
+
+
+def test_judge_over_http_swaps_retries_counts_and_caches(key, tmp_path):
+    pairs = [Pair(row=10 + i, messages=MESSAGES, policy=p, sft=s) for i, (p, s, _) in enumerate(CASES)]
+    with JudgeServer() as server:
+        judged = judge_pairs(_judge(server, tmp_path), pairs)
+        assert judged["verdict"].tolist() == [c[2] for c in CASES]
+        assert judged["row"].tolist() == list(range(10, 19)) and (judged["judge"] == "openai").all()
+        first = judged.set_index("row")
+        assert (first.loc[10, "policy_first"], first.loc[10, "policy_second"]) == ("win", "win")  # A, then B
+        assert (first.loc[13, "policy_first"], first.loc[13, "policy_second"]) == ("win", "lose")
+        assert first.loc[17, "retried"] and first.loc[18, "retried"] and not first.loc[10, "retried"]
+        assert tally(judged)["invalid"] == 1 and tally(judged)["n"] == 9
+        # 9 pairs × 2 orders, less 2 from the cache (the first two pairs are each other swapped),
+        # plus per order: a 429, a 500, a timeout, a retried garble, a retried never.
+        assert server.calls == 16 + 2 * 5
+        assert server.statuses[429] == 2 and server.statuses[500] == 2 and server.statuses["timeout"] == 2
+
+        calls = server.calls
+        again = _judge(server, tmp_path)
+        assert judge_pairs(again, pairs)["verdict"].tolist() == judged["verdict"].tolist()
+        assert server.calls == calls and again.http_calls == 0 and again.cache_hits == 18 + 4
+    cached = list((tmp_path / "cache").rglob("*.json"))
+    assert cached and all(SECRET not in path.read_text() for path in cached)
+
+
+def test_a_new_judge_model_is_asked_again(key, tmp_path):
+    pairs = [Pair(row=1, messages=MESSAGES, policy=CASES[0][0], sft=CASES[0][1])]
+    with JudgeServer() as server:
+        judge_pairs(_judge(server, tmp_path), pairs)
+        judge_pairs(_judge(server, tmp_path, model="gpt-4o"), pairs)  # another judge: another cache key
+        assert server.calls == 4
+
+
+def test_bad_key_fails_at_once_and_never_shows_the_key(tmp_path, monkeypatch):
+    pairs = [Pair(row=1, messages=MESSAGES, policy="a", sft="b")]
+    with JudgeServer(key="the-right-key") as server:
+        monkeypatch.delenv(KEY_ENV, raising=False)
+        with pytest.raises(JudgeError, match=f"set the environment variable {KEY_ENV}"):
+            judge_pairs(_judge(server, tmp_path), pairs)
+        monkeypatch.setenv(KEY_ENV, SECRET)
+        with pytest.raises(JudgeError, match="HTTP 401") as err:
+            judge_pairs(_judge(server, tmp_path), pairs)
+        assert SECRET not in str(err.value) and "***" in str(err.value)  # the server echoed it
+        assert server.statuses[401] <= 4  # no retries on 4xx: one call per conversation at most
+
+
+def test_gives_up_after_max_retries(key, tmp_path):
+    pairs = [Pair(row=1, messages=MESSAGES, policy="STALL a", sft="STALL bb")]
+    with JudgeServer(slow_s=1.0) as server:
+        with pytest.raises(JudgeError, match="ReadTimeout"):
+            judge_pairs(_judge(server, tmp_path, max_retries=1), pairs)
+        assert server.statuses["timeout"] == 2  # the first order: a try and one retry, then it gives up
+
+
+def test_local_judge_runs_on_the_tiny_model():
+    model, tokenizer = tiny_lm()
+    judge = LocalJudge(LocalJudgeConfig(max_new_tokens=6, max_prompt_len=384), model, tokenizer, batch_size=4)
+    pairs = [Pair(row=1, messages=MESSAGES, policy="Knead, rise, bake.", sft="Buy some."),
+             Pair(row=2, messages=MESSAGES, policy="No idea.", sft="Flour, water, heat.")]
+    judged = judge_pairs(judge, pairs)
+    assert len(judged) == 2 and set(judged["verdict"]) <= {"win", "tie", "lose", "invalid"}
+    assert all(isinstance(r, str) for r in judged["reply_policy_first"])
+    # A random model writes no verdict: each such pair was asked again, then counted as invalid.
+    invalid = judged[judged["verdict"] == "invalid"]
+    assert invalid["retried"].all()

@@ -1,0 +1,155 @@
+"""The eval stage through the real flow on the tiny preset (real Prefect, MLflow, GX): SFT only
+(C-Eval of the SFT model, through the CLI with --from-run), then reward → PPO → eval with the
+HTTP judge on loopback, the reward model and the local judge; the report, the @champion alias,
+the gate, the Prefect artifact; the API key nowhere in MLflow. And the eval contract on made-up
+frames: one that passes and two that fail."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pandas as pd
+import pytest
+
+from data_contracts import validate
+from eval_helpers import SECRET, JudgeServer
+from stages import tracking
+from stages.config import load_config
+
+KEY_ENV = "RLHF_TEST_JUDGE_KEY"
+
+
+def stage_run(pipeline_run_id: str, stage: str):
+    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
+
+
+@pytest.fixture(scope="module")
+def sft_only(prefect_server, hh_file):
+    from flows.rlhf import rlhf
+
+    return rlhf(preset="tiny", overrides={"sft.max_steps": 2}, stages=["data", "sft"])
+
+
+@pytest.fixture(scope="module")
+def evaluated(sft_only):
+    """reward → PPO → eval on the SFT-only run, judged over HTTP (first), by the RM and locally."""
+    from flows.rlhf import rlhf
+
+    os.environ[KEY_ENV] = SECRET
+    try:
+        with JudgeServer() as server:
+            judges = [{"kind": "openai", "base_url": server.base_url, "api_key_env": KEY_ENV, "timeout_s": 10},
+                      {"kind": "reward_model"}, {"kind": "local", "prompts": 2, "max_new_tokens": 4}]
+            overrides = {"reward.max_steps": 2, "ppo.iterations": 2, "eval.judges": judges,
+                         "eval.champion_margin": -1.0}  # any result makes the policy champion
+            run_id = rlhf(preset="tiny", overrides=overrides, stages=["reward", "ppo", "eval"], from_run=sft_only)
+            return run_id, server.calls
+    finally:
+        del os.environ[KEY_ENV]
+
+
+def test_eval_of_an_sft_only_run_scores_the_sft_model_alone(sft_only, capsys):
+    from flows.cli import main
+
+    assert main(["run", "--preset", "tiny", "--stages", "eval", "--from-run", sft_only]) == 0
+    run_id = capsys.readouterr().out.split("Pipeline run ")[1].split()[0]
+    run = stage_run(run_id, "eval")
+    assert run.data.tags["rlhf.contract"] == "passed" and run.data.tags["rlhf.champion"] == "no policy"
+    metrics = run.data.metrics
+    assert 0.0 <= metrics["eval/ceval_0shot/overall/sft"] <= 1.0 and "eval/ceval_5shot/law/sft" not in metrics
+    assert "eval/ceval_5shot/humanities/sft" in metrics and "eval/ceval_5shot/subject/law/sft" in metrics
+    assert not any(name.startswith("eval/judge/") or name.endswith("/policy") for name in metrics)
+    probe = pd.read_parquet(tracking.download(tracking.outputs_of(run_id)["eval_probe"]))
+    assert set(probe["kind"]) == {"ceval"} and len(probe) == 2 * 3 * 4  # shots × subjects × questions
+
+
+def test_eval_reports_judges_and_sets_the_champion(evaluated):
+    run_id, http_calls = evaluated
+    outputs = tracking.outputs_of(run_id)
+    run = stage_run(run_id, "eval")
+    metrics = run.data.metrics
+    for judge, n in (("openai", 8), ("reward_model", 8), ("local", 2)):
+        rates = [metrics[f"eval/judge/{judge}/{v}_rate"] for v in ("win", "tie", "lose", "invalid")]
+        assert metrics[f"eval/judge/{judge}/n"] == n and sum(rates) == pytest.approx(1.0)
+    assert metrics["eval/judge/openai/invalid"] == 0 and 0 < http_calls <= 16  # 8 pairs × 2 orders, some cached
+    for model in ("sft", "policy", "delta"):
+        assert f"eval/ceval_0shot/overall/{model}" in metrics and f"eval/ceval_5shot/stem/{model}" in metrics
+    assert metrics["eval/ceval_0shot/overall/delta"] == pytest.approx(
+        metrics["eval/ceval_0shot/overall/policy"] - metrics["eval/ceval_0shot/overall/sft"])
+
+    # @champion on the policy version this run registered; the contract passed.
+    assert metrics["eval/champion"] == 1.0 and run.data.tags["rlhf.champion"].startswith("yes (judge openai")
+    name, version = outputs["policy_model"].removeprefix("models:/").split("/")
+    assert str(tracking.client().get_model_version_by_alias(name, "champion").version) == version
+    assert run.data.tags["rlhf.contract"] == "passed"
+
+    report = tracking.download(f"runs:/{run.info.run_id}/report")
+    for png in ("ceval.png", "judges.png"):
+        assert (report / png).read_bytes()[:4] == b"\x89PNG"
+    text = (report / "report.md").read_text()
+    assert "| harmless | openai |" in text and "| harmless | reward_model |" in text and "delta" in text
+    judged = pd.read_json(report / "judgements.jsonl", lines=True)
+    assert set(judged["verdict"]) <= {"win", "tie", "lose", "invalid"} and len(judged) == 8 + 8 + 2
+    summary = tracking.download(outputs["eval_summary"]).read_text()
+    assert "report/report.md" in summary and "champion yes" in summary
+
+    from prefect.artifacts import Artifact
+
+    published = Artifact.get("eval-report")
+    assert published is not None and published.data == summary
+
+
+def test_the_api_key_is_nowhere_in_mlflow(evaluated):
+    run_id, _ = evaluated
+    client = tracking.client()
+    runs = [client.get_run(run_id), *tracking.stage_runs(run_id)]
+    for run in runs:
+        texts = [*run.data.params, *run.data.params.values(), *run.data.tags, *run.data.tags.values(), *run.data.metrics]
+        assert not any(SECRET in t for t in texts), run.info.run_name
+        folder = tracking.download(f"runs:/{run.info.run_id}/")
+        for path in folder.rglob("*"):
+            assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+    assert any(run.data.params.get("eval.judges", "").count(KEY_ENV) for run in runs)  # the variable's name only
+
+
+# -- the eval contract on made-up frames -------------------------------------------------------
+
+
+def _frame(verdicts=("win", "tie", "lose", "win"), predicted="ABCD", score=-1.2, rm_score=0.3):
+    ceval_rows = [{"row": 2 + i, "kind": "ceval", "model": "sft", "shots": 0, "subject": "law", "predicted": p,
+                   "score": score} for i, p in enumerate(predicted)]
+    judge_rows = [{"row": 100 + i, "kind": "judge", "judge": "reward_model", "judge_kind": "reward_model",
+                   "verdict": v, "score_policy": rm_score, "score_sft": 0.1} for i, v in enumerate(verdicts)]
+    columns = ["row", "kind", "model", "shots", "subject", "predicted", "score", "judge", "judge_kind", "verdict",
+               "score_policy", "score_sft"]
+    return pd.DataFrame(ceval_rows + judge_rows).reindex(columns=columns)
+
+
+def _failed(report) -> dict[str, set]:
+    out: dict[str, set] = {}
+    for failure in report.failures:
+        out.setdefault(failure.column, set()).update(e["row"] for e in failure.examples)
+    return out
+
+
+def test_eval_contract_passes_a_sane_probe():
+    cfg = load_config("demo")
+    assert validate("evaluation", _frame(verdicts=("win", "tie", "lose") * 4 + ("invalid",)), cfg).success  # 1 in 13 < 0.1
+    assert validate("evaluation", _frame(verdicts=()), cfg).success  # C-Eval only (no policy)
+
+
+def test_eval_contract_fails_on_answers_outside_a_to_d_and_nan_scores():
+    report = validate("evaluation", _frame(predicted="AB?D", score=math.nan), load_config("demo"))
+    assert not report.success
+    failed = _failed(report)
+    assert failed["predicted"] == {4} and failed["score"] == {2, 3, 4, 5}
+
+
+def test_eval_contract_fails_on_too_many_invalid_verdicts_and_infinite_rm_scores():
+    frame = _frame(verdicts=("win", "invalid", "invalid", "maybe"), rm_score=math.inf)
+    report = validate("evaluation", frame, load_config("demo"))
+    failed = _failed(report)
+    assert failed["verdict"] == {101, 102, 103} and failed["score_policy"] == {100, 101, 102, 103}
+    rules = [f.rule for f in report.failures if f.column == "verdict"]
+    assert rules == ["expect_column_values_to_be_in_set"] * 2  # 'maybe' is no verdict; 3 of 4 are not valid
