@@ -106,11 +106,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         lineage = {
             "rlhf.input.reward_model": inputs["reward_model"],
             "rlhf.input.sft_model": inputs["sft_model"],
-            "rlhf.input.splits": inputs["splits"],
-            "rlhf.data_digest": inputs.get("data_digest", ""),
-            "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.stage_hash("critic"),
-            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            **tracker.provenance(inputs, cfg.stage_hash("critic")),
             "rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
             "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}",
         }

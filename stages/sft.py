@@ -229,11 +229,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                              "probe/seconds": time.perf_counter() - probe_started}, step=step)
         lineage = {
             "rlhf.input.base_model": cfg.model.name_or_path,
-            "rlhf.input.splits": inputs["splits"],
-            "rlhf.data_digest": inputs.get("data_digest", ""),
-            "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.stage_hash("sft"),
-            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            **tracker.provenance(inputs, cfg.stage_hash("sft")),
             "rlhf.perplexity_before": f"{ppl_before:.4f}",
             "rlhf.perplexity_after": f"{ppl_after:.4f}",
         }

@@ -178,6 +178,12 @@ class StageRun:
     def artifact_uri(self, path: str) -> str:
         return f"runs:/{self.run_id}/{path}"
 
+    def provenance(self, inputs: dict, config_hash: str) -> dict[str, str]:
+        """The lineage tags every registered model carries: splits, data digest, code, config, pipeline run."""
+        return {"rlhf.input.splits": inputs["splits"], "rlhf.data_digest": inputs.get("data_digest", ""),
+                "rlhf.git_commit": git_commit(), "rlhf.config_hash": config_hash,
+                "rlhf.pipeline_run": self.pipeline_run_id}
+
     def register(self, kind: str, artifact_path: str, prefix: str, lineage: dict[str, str]) -> str:
         """Register `<prefix>-<kind>` from this run's artifacts; returns `models:/name/version`."""
         from mlflow.exceptions import MlflowException

@@ -176,11 +176,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             "rlhf.input.sft_model": inputs["sft_model"],
             "rlhf.input.reward_model": inputs["reward_model"],
             "rlhf.input.critic_model": inputs.get("critic_model", ""),
-            "rlhf.input.splits": inputs["splits"],
-            "rlhf.data_digest": inputs.get("data_digest", ""),
-            "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.stage_hash("ppo"),
-            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            **tracker.provenance(inputs, cfg.stage_hash("ppo")),
             "rlhf.ppo_preset": ppo.preset,
         }
         version = tracker.register("policy", "model", cfg.registry_prefix, lineage)

@@ -212,11 +212,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         shutil.rmtree(out)  # the MLflow artifact is the copy that counts
         lineage = {
             "rlhf.input.sft_model": inputs["sft_model"],
-            "rlhf.input.splits": inputs["splits"],
-            "rlhf.data_digest": inputs.get("data_digest", ""),
-            "rlhf.git_commit": tracking.git_commit(),
-            "rlhf.config_hash": cfg.stage_hash("reward"),
-            "rlhf.pipeline_run": tracker.pipeline_run_id,
+            **tracker.provenance(inputs, cfg.stage_hash("reward")),
             "rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
             "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
             "rlhf.score_std": f"{metrics['eval/score_std']:.6g}",
