@@ -200,10 +200,6 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
                                                    judges=judge_table, champion=champion))
     tracker.log_artifacts(out, "report")
-    probes = tracker.workdir / "contracts"
-    probes.mkdir(parents=True, exist_ok=True)
-    probe_frame(answers, judged).to_parquet(probes / "eval_probe.parquet", index=False)
-    tracker.log_artifacts(probes, "contracts")
-    return {"eval_run": tracker.run_id, "eval_probe": tracker.artifact_uri("contracts/eval_probe.parquet"),
+    return {"eval_run": tracker.run_id, "eval_probe": tracker.log_probe(probe_frame(answers, judged), "eval_probe"),
             "eval_report": tracker.artifact_uri("report/report.md"),
             "eval_summary": tracker.artifact_uri("report/summary.md")}
