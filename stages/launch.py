@@ -176,7 +176,8 @@ def _resolve_deepspeed_config(name: str) -> dict:
     return config
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -200,12 +201,12 @@ def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
     """The command that starts the ranks of a stage, and how many of them run on this host."""
     if launch.hostfile is None:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.world_size}",
-                f"--master_port={_free_port()}", "-m", "stages.launch", str(spec_path)], launch.world_size
+                f"--master_port={free_port()}", "-m", "stages.launch", str(spec_path)], launch.world_size
     path, slots = hostfile_slots(launch.hostfile)
     if sum(slots.values()) != launch.world_size:
         raise ConfigError(f"{stage}.launch.world_size is {launch.world_size} but hostfile {path} has "
                           f"{sum(slots.values())} slots: set them equal")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={path}", f"--master_port={_free_port()}"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={path}", f"--master_port={free_port()}"]
     if len(slots) == 1:  # one host launches locally: no ssh
         cmd += ["--no_ssh_check", "--master_addr=127.0.0.1"]
     return cmd + ["--no_local_rank", "--module", "stages.launch", str(spec_path)], max(slots.values())

@@ -4,7 +4,6 @@ real S3-API server."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.launch import free_port
 from stages.sources import default_data_dir
 
 HH_FILE = (default_data_dir() or Path("/nonexistent")) / "hh-rlhf" / "harmless-base-test.jsonl.gz"
@@ -52,12 +52,6 @@ def hh_file() -> Path:
     if not HH_FILE.exists():
         pytest.skip(f"shared data not found at {HH_FILE}")
     return HH_FILE
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from stages import tracking
-from conftest import free_port
+from stages.launch import free_port
 
 STAGES = ["data", "sft", "reward", "critic", "ppo"]
 SMALL = {
