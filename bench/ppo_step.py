@@ -5,8 +5,8 @@ loads an SFT run's outputs: the base model as actor and reference, and with a fr
 (seeded) as reward model and critic; prompts from the preset's ppo_prompts split, PPO-ptx data from
 its sft split. No pipeline or MLflow run is needed. Each mode runs in a fresh process with the same
 seed, so its peak RSS is its own and its first rollout is the other's. Per mode it prints, as means
-over iterations, the rollout phases (generation; the experience forwards: log π_old, log π_SFT,
-V_old, RM score), the training time (forward + backward + optimiser step over the minibatches,
+over iterations, the rollout phases (generation, which also yields log π_old; the experience
+forwards: log π_SFT, V_old unless the training forward gives it, RM score), the training time (forward + backward + optimiser step over the minibatches,
 PPO-ptx included), tokens/s (generated response tokens per second of the iteration), episodes/s and
 peak RSS. The first `--warmup` iterations are left out of the means. Vanilla is the baseline: PPO-max adds the PPO-ptx
 batch to every step; its other tricks cost next to nothing.
@@ -28,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 MODES = ("vanilla", "ppo-max")
-PHASES = ("generate", "logprobs", "ref_logprobs", "values", "scores", "train")
+PHASES = ("generate", "ref_logprobs", "values", "scores", "train")  # log π_old comes with generation
 
 
 def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_rows: list[dict], iterations: int,
@@ -62,7 +62,8 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
         rows.append({**metrics, "iteration": time.perf_counter() - started,
                      "tokens": metrics["policy/response_length"] * ppo.rollout_batch_size})
     rows = rows[warmup:]
-    result = {phase: statistics.mean(r[f"time/{phase}"] for r in rows) for phase in PHASES}
+    # time/values is absent when V_old comes from the critic's training forward (one minibatch).
+    result = {phase: statistics.mean(r.get(f"time/{phase}", 0.0) for r in rows) for phase in PHASES}
     seconds, tokens = sum(r["iteration"] for r in rows), sum(r["tokens"] for r in rows)
     result.update(mode=mode, iteration=seconds / len(rows), response_tokens=tokens / len(rows),
                   tokens_per_s=tokens / seconds, generated_tokens_per_s=tokens / sum(r["time/generate"] for r in rows),

@@ -56,6 +56,30 @@ def _quiet_expected_errors(kinds: tuple[type[BaseException], ...]):
             handler.removeFilter(strip)
 
 
+def _open_stores() -> None:
+    """Open the Prefect database (the ephemeral API server creates or migrates it as it starts)
+    and the MLflow SQLite store, each under a file lock: two `rlhf run`s started at once on a
+    fresh home would otherwise both create the same tables ("table ... already exists")."""
+    from pathlib import Path
+
+    from filelock import FileLock
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    from stages import tracking
+
+    if not PREFECT_API_URL.value():
+        home = Path(PREFECT_HOME.value())
+        home.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(home / "ephemeral-server.lock")):
+            get_client(sync_client=True)  # starts this process's ephemeral API server, used by the flow
+    uri = tracking.tracking_uri()
+    if uri.startswith("sqlite:///"):
+        mlflow_client = tracking.client()  # makes the database's folder
+        with FileLock(uri.removeprefix("sqlite:///") + ".lock"):
+            mlflow_client.search_experiments(max_results=1)
+
+
 def _up(args: argparse.Namespace) -> int:
     from flows import services
 
@@ -178,14 +202,18 @@ def main(argv: list[str] | None = None) -> int:
 
         from data_contracts import ContractError
 
+        _open_stores()
         try:
-            with _quiet_expected_errors((ContractError, DataError)):
+            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)):
                 run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
                               resume=args.resume, force=args.force)
         except ContractError as err:
             print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
                   f"under contracts/.", file=sys.stderr)
             return 2
+        except tracking.TrackingUnavailable as err:
+            print(f"rlhf: {err}", file=sys.stderr)
+            return 1
         print(f"\nPipeline run {run_id} finished.\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: mlflow ui --backend-store-uri {tracking.tracking_uri()}")
         return 0

@@ -205,8 +205,9 @@ def rlhf(
             else:
                 produced = run_stage(name, cfg, pipeline, inputs, force)
             inputs = {**inputs, **produced}
-    except BaseException:
-        pipeline.finish("FAILED")
+    except BaseException as err:
+        if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
+            pipeline.finish("FAILED")
         raise
     pipeline.finish("FINISHED")
     create_markdown_artifact(_summary(cfg, pipeline.run_id, inputs), key="rlhf-pipeline-run",

@@ -112,6 +112,7 @@ class SFTConfig(_Section):
     grad_accum_steps: int = 2
     warmup_ratio: float = 0.03
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 3  # a NaN/Inf loss skips the step; this many in a row stop the stage
     max_seq_len: int = 512
     max_response_len: int = 256
     eval_examples: int = 64  # held-out (eval-prompts split, chosen answers) for perplexity
@@ -142,6 +143,7 @@ class RewardConfig(_Section):
     max_response_len: int = 256
     warmup_ratio: float = 0.03
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 3  # a NaN/Inf loss skips the step; this many in a row stop the stage
     eval_pairs: int = 256  # held-out pairs (rm_eval split) for accuracy, margins, score statistics
     log_every: int = 1
     seed: int = 42
@@ -271,6 +273,7 @@ class PPOConfig(_Section):
     ptx_batch_size: int = 4
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 3  # NaN/Inf scores or loss skip the step; this many in a row stop PPO
     reward: str = "rm"  # `rm`, or a rule such as `char_fraction:e` (tests, reward debugging)
     max_prompt_len: int = 256
     generation: GenerationConfig = GenerationConfig()
@@ -279,6 +282,9 @@ class PPOConfig(_Section):
     samples_every: int = 10  # sample-completions table and reward histogram every N iterations
     checkpoint_every: int = 10
     seed: int = 42
+    # "bf16": the experience and training forwards under bf16 autocast (weights, optimiser and
+    # losses stay fp32). Generation's decode stays fp32: it is bound by reading the weights.
+    autocast: Literal["none", "bf16"] = "none"
     launch: LaunchConfig = LaunchConfig()
 
     def switches(self) -> dict:
@@ -393,6 +399,10 @@ class OrchestrationConfig(_Section):
 
     retries: int = 1
     retry_delay_seconds: float = 10.0
+    # How long a stage waits out an unreachable MLflow tracking server before it fails (its
+    # checkpoints stay on disk): meanwhile training goes on, metrics are buffered and every
+    # tracking call is retried with exponential backoff (stages/tracking.py).
+    tracking_patience_s: float = 600.0
     # Stage → the Prefect deployment that runs it when a run has several stages, e.g.
     # {ppo: rlhf/ppo}: a deployment on the GPU work pool (infra/prefect.yaml) while the rest of
     # the pipeline runs where the parent runs.
@@ -469,15 +479,20 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+def _load_yaml(text: str, where: str) -> Any:
+    """YAML text → values; any fault in the text is a ConfigError naming `where`."""
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as err:  # also: ints past 4300 digits, nesting too deep
+        raise ConfigError(f"{where}: not valid YAML ({err})") from None
+
+
 def parse_override(text: str) -> dict:
     """`sft.lr=2e-5` → {"sft": {"lr": 2e-05}}; values are read as YAML scalars/lists."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}': expected section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({err})") from None
+    value = _load_yaml(raw, f"override '{text}'") if raw.strip() else None
     if isinstance(value, str):
         # YAML 1.1 reads 2e-5 as a string; numbers in overrides should be numbers.
         try:
@@ -533,9 +548,10 @@ def preset_path(preset: str) -> Path:
 def load_config(preset: str = "demo", overrides: dict | list[str] | None = None) -> PipelineConfig:
     path = preset_path(preset)
     try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 (byte {err.start})") from None
+    values = _load_yaml(text, str(path)) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a preset must be a mapping of sections")
     _check_keys(PipelineConfig, values, str(path))

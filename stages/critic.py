@@ -5,6 +5,7 @@ This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from pathlib import Path
@@ -70,7 +71,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     progress = tqdm(total=max_rollouts, desc="critic", disable=not dist.is_main, dynamic_ncols=True)
     started, converged = time.perf_counter(), False
     while trainer.iteration < max_rollouts and not converged:
-        metrics = trainer.step()
+        # An iteration skipped for NaN/Inf scores (stages/guards.py) trained nothing: no losses.
+        metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **trainer.step()}
         keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
                 "objective/scores_shaped", "reward/running_mean", "reward/running_std", "policy/response_length",
                 "time/rollout", "time/train")

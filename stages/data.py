@@ -54,6 +54,10 @@ def parse_pair(record: dict, source: str) -> tuple[dict, list[str]]:
             raise DataError(source, row, f"missing column '{column}' (columns: {', '.join(k for k in record if k != '_row')})")
         if not isinstance(record[column], str):
             raise DataError(source, row, f"column '{column}' must be a string, got {type(record[column]).__name__}")
+        try:  # a JSON escape can make a lone surrogate, which no UTF-8 split file can hold
+            record[column].encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataError(source, row, f"column '{column}' is not valid Unicode (a lone surrogate at {err.start})") from None
     try:
         prompt, chosen = split_dialogue(record["chosen"])
         rejected_prompt, rejected = split_dialogue(record["rejected"])

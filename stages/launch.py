@@ -123,6 +123,24 @@ class PlainEngine:
         self.module.train()
 
 
+def autocast(device: str, mixed_precision: str):
+    """bf16 autocast for mixed_precision "bf16" (CPUs with AMX and GPUs run bf16 matmuls several
+    times faster than fp32), else ("none") a no-op context."""
+    import torch
+
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
+
+
+def adamw(model, **options):
+    """AdamW with the fused kernel: torch's default on CPU updates one tensor at a time, 1.5 s a
+    step for SmolLM2-135M on one core against 0.27 s fused."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, fused=fused or None, **options)
+
+
 def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accum_steps: int,
                 max_grad_norm: float, dist: Dist):
     if dist.deepspeed_config is None:
@@ -225,11 +243,12 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
         raise ValueError(f"stage '{stage}' needs {', '.join(missing)} from an earlier stage: run that stage too, "
                          f"or pass from_run=<pipeline run id> (or 'latest')")
     pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
-    tracker = pipeline.stage(stage)
+    tracker = pipeline.stage(stage, resumes=getattr(_stage_module(stage), "RESUMES", False))
     try:
         outputs = run_stage(stage, cfg, tracker, inputs)
-    except BaseException:
-        tracker.finish("FAILED")
+    except BaseException as err:
+        if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
+            tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED", outputs)
     return outputs
@@ -305,7 +324,7 @@ def _rank_main(spec_path: str) -> None:
         from stages import tracking
 
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
-                                    spec["pipeline_run_id"])
+                                    spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     try:
         outputs = _stage_module(spec["stage"]).run(cfg, tracker, spec["inputs"], dist)
     except Exception as err:
@@ -313,6 +332,7 @@ def _rank_main(spec_path: str) -> None:
         Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
         raise
     if dist.is_main:
+        tracker.flush()  # metrics still buffered after an outage of the tracking server
         tmp = Path(spec["outputs"] + ".tmp")
         tmp.write_text(json.dumps(outputs))
         os.replace(tmp, spec["outputs"])

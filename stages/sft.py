@@ -15,7 +15,8 @@ from tqdm import tqdm
 from stages import sources, tracking
 from stages.config import PipelineConfig
 from stages.data import SPLITS, encode_example, read_jsonl
-from stages.launch import Dist, make_engine
+from stages.guards import NonFiniteGuard
+from stages.launch import Dist, adamw, make_engine
 
 
 def corpus_texts(splits_dir: Path) -> list[str]:
@@ -149,7 +150,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     if sft.max_steps:
         total_steps = min(total_steps, sft.max_steps)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
+    optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps)
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=sft.micro_batch_size,
                          grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm, dist=dist)
@@ -165,6 +166,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before}, step=0)
 
     order_rng = random.Random(sft.seed)
+    guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
     engine.train()
     progress = tqdm(total=total_steps, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
     step, started = 0, time.perf_counter()
@@ -182,17 +184,23 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                 chunk = [train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
                 batch = {k: v.to(dist.device) for k, v in collate(chunk, pad_id).items()}
                 nll, n = response_nll(engine, batch)
+                # A NaN/Inf loss adds no gradient: the engine's accumulation waits for the next finite
+                # micro-batch, so no optimiser step ever takes in a non-finite one.
+                if not guard.check({"loss": nll}, f"step {step + 1}, micro-batch {micro + 1}"):
+                    continue
                 engine.backward(nll / max(n, 1))
                 engine.step()
                 loss_sum, tokens = loss_sum + nll.item(), tokens + n
             seq_tokens = sum(len(train_set[i][0]) for i in mine)
             loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
             step += 1
-            final_train_loss = loss_sum / max(tokens, 1)
+            if tokens:  # else every micro-batch of the step was skipped
+                final_train_loss = loss_sum / tokens
             elapsed = time.perf_counter() - step_started
             if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
                 tracker.log_metrics({
-                    "train/loss": loss_sum / max(tokens, 1),
+                    "train/loss": loss_sum / tokens if tokens else math.nan,
+                    "train/skipped_steps": guard.skipped,
                     "train/lr": scheduler.get_last_lr()[0],
                     "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
                     "train/tokens_per_s": seq_tokens / elapsed,

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,21 +67,25 @@ def resolve_local(spec: str, base: Path | None) -> Path | None:
 
 def _read_jsonl(path: Path) -> Iterator[dict]:
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as handle:
-        for row, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(str(path), row, f"not UTF-8 (byte {err.start})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(str(path), row, f"not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(str(path), row, "each line must be a JSON object")
-            yield {"_row": row, **record}
+    row = 0
+    try:
+        with opener(path, "rb") as handle:
+            for row, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(str(path), row, f"not UTF-8 (byte {err.start})") from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError) as err:  # also: ints past 4300 digits, nesting too deep
+                    raise DataError(str(path), row, f"not valid JSON ({getattr(err, 'msg', err)})") from None
+                if not isinstance(record, dict):
+                    raise DataError(str(path), row, "each line must be a JSON object")
+                yield {**record, "_row": row}  # our row number, whatever columns the row has
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # a damaged or cut-short .gz file
+        raise DataError(str(path), row + 1, f"not a readable gzip file ({err})") from None
 
 
 def _read_csv(path: Path) -> Iterator[dict]:
@@ -89,16 +94,28 @@ def _read_csv(path: Path) -> Iterator[dict]:
     except UnicodeDecodeError as err:
         line = path.read_bytes()[: err.start].count(b"\n") + 1
         raise DataError(str(path), line, f"not UTF-8 (byte {err.start})") from None
-    for row, record in enumerate(csv.DictReader(io.StringIO(text)), start=2):  # row 1: header
-        yield {"_row": row, **record}
+    reader = csv.DictReader(io.StringIO(text))
+    row = 1  # the header
+    try:
+        for row, record in enumerate(reader, start=2):
+            if None in record or None in record.values():  # csv's key for extra fields, its value for missing ones
+                more = "more" if None in record else "fewer"
+                raise DataError(str(path), row, f"{more} fields than the header's {len(reader.fieldnames)} columns")
+            yield {**record, "_row": row}
+    except csv.Error as err:
+        raise DataError(str(path), row + 1, f"not valid CSV ({err})") from None
 
 
 def _read_parquet(path: Path) -> Iterator[dict]:
     import pandas as pd
+    import pyarrow
 
-    frame = pd.read_parquet(path)
+    try:
+        frame = pd.read_parquet(path)
+    except (pyarrow.ArrowException, OSError) as err:
+        raise DataError(str(path), None, f"not a readable parquet file ({err})") from None
     for row, record in enumerate(frame.to_dict(orient="records"), start=1):
-        yield {"_row": row, **record}
+        yield {**record, "_row": row}
 
 
 def _read_hub(spec: str, cfg: DataConfig) -> Iterator[dict]:
@@ -108,7 +125,7 @@ def _read_hub(spec: str, cfg: DataConfig) -> Iterator[dict]:
         raise DataError(spec, None, "not a local file; loading from the hub needs `pip install datasets`") from None
     dataset = datasets.load_dataset(spec, data_dir=cfg.hub_data_dir, split=cfg.hub_split)
     for row, record in enumerate(dataset, start=1):
-        yield {"_row": row, **record}
+        yield {**record, "_row": row}
 
 
 def read_records(spec: str, cfg: DataConfig) -> tuple[str, list[dict]]:
@@ -330,6 +347,12 @@ def load_model(model_dir: str, cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
+    folder = Path(model_dir)
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):  # say why, not only which file is missing
+        pickled = [p.name for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
+        found = f" (it has {', '.join(pickled)})" if pickled else ""
+        raise ValueError(f"model {model_dir}: no safetensors weights{found}; weights load as safetensors only, "
+                         f"since loading a pickled checkpoint can run any code in it")
     return AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )

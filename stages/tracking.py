@@ -7,8 +7,11 @@ when rerun alone on an earlier pipeline run's artifacts.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import re
 import subprocess
 import time
 import warnings
@@ -118,37 +121,146 @@ def log_params(mlflow_client, run_id: str, params: dict) -> None:
         mlflow_client.log_batch(run_id, params=items[start : start + 100])
 
 
-class StageRun:
-    """One stage's MLflow run, plus the local working folder of that stage."""
+class TrackingUnavailable(RuntimeError):
+    """The tracking server stayed unreachable for longer than the stage's patience."""
 
-    def __init__(self, mlflow_client, run_id: str, stage: str, workdir: Path, pipeline_run_id: str):
+
+def _unreachable(err: Exception) -> bool:
+    """Whether a tracking call failed for want of a server (worth retrying), not because the
+    server refused the request."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(err, (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout)):
+        return True
+    # How MLflow's REST client reports a refused connection, a timeout or a 5xx after its retries.
+    failed = re.match(r"API request to \S+ failed with (timeout )?exception", str(err))
+    return isinstance(err, MlflowException) and failed is not None
+
+
+@contextlib.contextmanager
+def _no_http_retries():
+    """MLflow's HTTP client retries a dead server for minutes inside one call (7 retries; it reads
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES per request): a StageRun backs off itself, between tries."""
+    saved = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+        else:
+            os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = saved
+
+
+class StageRun:
+    """One stage's MLflow run, plus the local working folder of that stage.
+
+    Every tracking call rides out an unreachable tracking server: it is retried with exponential
+    backoff until the server has been unreachable for `patience_s`, then TrackingUnavailable.
+    Metrics, sample tables and `log_artifact(..., buffered=True)` do not wait: they are queued and
+    sent, in order, by the next call that finds the server back, so training goes on meanwhile."""
+
+    MAX_BACKOFF_S = 30.0
+
+    def __init__(self, mlflow_client, run_id: str, stage: str, workdir: Path, pipeline_run_id: str,
+                 patience_s: float = 600.0):
         self.client, self.run_id, self.stage = mlflow_client, run_id, stage
-        self.workdir, self.pipeline_run_id = workdir, pipeline_run_id
+        self.workdir, self.pipeline_run_id, self.patience_s = workdir, pipeline_run_id, patience_s
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._pending: list = []  # queued calls not yet delivered, oldest first
+        self._logged: set[tuple[str, int]] = set()  # (metric, step) the run held already (skip_logged_steps)
+        self._down_since: float | None = None  # when the server became unreachable
+        self._backoff_s = 1.0
+        self._next_try = 0.0
+
+    # -- riding out an unreachable server --------------------------------------------------------
+    def _try(self, fn, *args, **kwargs) -> tuple[bool, Any]:
+        """(True, result) of one tracking call; (False, None) when the server is unreachable and the
+        patience is not spent yet (the next try is due after an exponentially growing backoff)."""
+        try:
+            with _no_http_retries():
+                result = fn(*args, **kwargs)
+        except Exception as err:
+            if not _unreachable(err):
+                raise
+            now = time.monotonic()
+            self._down_since = self._down_since or now
+            if now - self._down_since >= self.patience_s:
+                raise TrackingUnavailable(
+                    f"MLflow tracking server {tracking_uri()} unreachable for {now - self._down_since:.0f} s, longer "
+                    f"than orchestration.tracking_patience_s={self.patience_s:g}; {len(self._pending)} queued calls "
+                    f"undelivered. Its local files, checkpoints included, stay in {self.workdir}: `rlhf run --resume "
+                    f"{self.pipeline_run_id}` continues once the server is back. Last error: {err}") from err
+            self._next_try = now + self._backoff_s
+            self._backoff_s = min(2 * self._backoff_s, self.MAX_BACKOFF_S)
+            return False, None
+        self._down_since, self._backoff_s, self._next_try = None, 1.0, 0.0
+        return True, result
+
+    def _call(self, fn, *args, **kwargs):
+        """A tracking call, after the queued ones; waits (backing off) while the server is unreachable."""
+        self.flush()
+        while True:
+            done, result = self._try(fn, *args, **kwargs)
+            if done:
+                return result
+            time.sleep(max(0.0, self._next_try - time.monotonic()))
+
+    def _queue(self, fn, *args, **kwargs) -> None:
+        """A tracking call, now unless the server is unreachable, else later (in order)."""
+        self._pending.append(functools.partial(fn, *args, **kwargs))
+        self._send_pending(wait=False)
+
+    def _send_pending(self, wait: bool) -> None:
+        while self._pending:
+            if not wait and time.monotonic() < self._next_try:
+                return  # backing off: training goes on, the calls stay queued
+            time.sleep(max(0.0, self._next_try - time.monotonic()))
+            if self._try(self._pending[0])[0]:
+                self._pending.pop(0)
+
+    def flush(self) -> None:
+        """Deliver the queued calls, waiting while the server is unreachable (within the patience)."""
+        self._send_pending(wait=True)
+
+    def skip_logged_steps(self) -> None:
+        """From now on log no (metric, step) that the run already holds: a stage resumed from a
+        checkpoint in the run of its killed attempt recomputes the steps between that checkpoint and
+        the kill (the same values: the checkpoint restores the RNG), which the run has already."""
+        metrics = self._call(self.client.get_run, self.run_id).data.metrics
+        self._logged = {(key, m.step) for key in metrics
+                        for m in self._call(self.client.get_metric_history, self.run_id, key)}
 
     # -- logging ---------------------------------------------------------------------------
     def log_params(self, params: dict) -> None:
-        log_params(self.client, self.run_id, params)
+        self._call(log_params, self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=items)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if (k, step) not in self._logged]
+        if items:
+            self._queue(self.client.log_batch, self.run_id, metrics=items)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value))
+            self._call(self.client.set_tag, self.run_id, key, str(value))
 
     def log_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        self._call(self.client.log_artifacts, self.run_id, str(local_dir), artifact_path)
 
-    def log_artifact(self, local_file: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(local_file), artifact_path)
+    def log_artifact(self, local_file: Path, artifact_path: str | None = None, buffered: bool = False) -> None:
+        """buffered: queued like metrics (the file must stay until it is sent)."""
+        send = self._queue if buffered else self._call
+        send(self.client.log_artifact, self.run_id, str(local_file), artifact_path)
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        self._call(self.client.log_dict, self.run_id, obj, artifact_file)
+
+    def log_table(self, data, artifact_file: str) -> None:
+        self._queue(self.client.log_table, self.run_id, data=data, artifact_file=artifact_file)
 
     def log_probe(self, frame, name: str) -> str:
         """A probe frame for the data contracts as `contracts/<name>.parquet`; returns its URI."""
@@ -172,7 +284,7 @@ class StageRun:
             dataset = mlflow.data.from_pandas(frame, source=source, name=name, digest=f"{digest}-{name}"[:36])
             entity = dataset._to_mlflow_entity()
         tag = InputTag(key="mlflow.data.context", value=context)
-        self.client.log_inputs(self.run_id, datasets=[DatasetInput(entity, tags=[tag])])
+        self._call(self.client.log_inputs, self.run_id, datasets=[DatasetInput(entity, tags=[tag])])
 
     # -- outputs ---------------------------------------------------------------------------
     def artifact_uri(self, path: str) -> str:
@@ -190,19 +302,19 @@ class StageRun:
 
         name = f"{prefix}-{kind}"
         try:
-            self.client.create_registered_model(name)
+            self._call(self.client.create_registered_model, name)
         except MlflowException as err:
             if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
                 raise
-        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        source = f"{self._call(self.client.get_run, self.run_id).info.artifact_uri}/{artifact_path}"
         tags = {k: str(v) for k, v in lineage.items()}
-        version = self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags)
+        version = self._call(self.client.create_model_version, name, source=source, run_id=self.run_id, tags=tags)
         return f"models:/{name}/{version.version}"
 
     def finish(self, status: str, outputs: dict | None = None) -> None:
         if outputs is not None:
-            self.client.set_tag(self.run_id, OUTPUTS_TAG, json.dumps(outputs))
-        self.client.set_terminated(self.run_id, status=status)
+            self._call(self.client.set_tag, self.run_id, OUTPUTS_TAG, json.dumps(outputs))
+        self._call(self.client.set_terminated, self.run_id, status=status)
 
 
 class PipelineRun:
@@ -250,12 +362,21 @@ class PipelineRun:
     def workdir(self) -> Path:
         return rlhf_home() / "runs" / self.run_id
 
-    def stage(self, name: str) -> StageRun:
+    def stage(self, name: str, resumes: bool = False) -> StageRun:
+        """A new child run for stage `name`. A stage that `resumes` from its checkpoints continues
+        the run of its attempt that was killed or failed instead, so that run holds every step."""
+        patience = self.cfg.orchestration.tracking_patience_s
+        unfinished = [run for run in stage_runs(self.run_id) if run.data.tags.get("rlhf.stage") == name
+                      and run.info.status in ("KILLED", "FAILED")] if resumes else []
+        if unfinished:
+            run_id = unfinished[0].info.run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return StageRun(self.client, run_id, name, self.workdir / name, self.run_id, patience)
         exp = self.client.get_run(self.run_id).info.experiment_id
         tags = {"mlflow.parentRunId": self.run_id, PIPELINE_TAG: "stage", "rlhf.stage": name,
                 "rlhf.git_commit": git_commit(), "rlhf.preset": self.cfg.preset}
         run = self.client.create_run(exp, tags=tags, run_name=name)
-        return StageRun(self.client, run.info.run_id, name, self.workdir / name, self.run_id)
+        return StageRun(self.client, run.info.run_id, name, self.workdir / name, self.run_id, patience)
 
     def record_stage(self, name: str, stage_run_id: str, how: str) -> None:
         """Tag which stage run holds stage `name` of this pipeline run, and how (`ran`, `reused`, `deployed`)."""

@@ -48,6 +48,14 @@ def prefect_server(rlhf_home):
 
 
 @pytest.fixture(scope="session")
+def full_run(prefect_server) -> str:
+    """The whole tiny pipeline through the real Prefect flow: its pipeline run id."""
+    from flows.rlhf import rlhf
+
+    return rlhf(preset="tiny", overrides={"sft.epochs": 1})
+
+
+@pytest.fixture(scope="session")
 def hh_file() -> Path:
     if not HH_FILE.exists():
         pytest.skip(f"shared data not found at {HH_FILE}")

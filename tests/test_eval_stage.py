@@ -14,6 +14,7 @@ import pytest
 
 from data_contracts import validate
 from eval_helpers import SECRET, JudgeServer
+from leaks import files, leaks, mlflow_texts
 from stages import tracking
 from stages.config import load_config
 
@@ -102,14 +103,9 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
 
 def test_the_api_key_is_nowhere_in_mlflow(evaluated):
     run_id, _ = evaluated
-    client = tracking.client()
-    runs = [client.get_run(run_id), *tracking.stage_runs(run_id)]
-    for run in runs:
-        texts = [*run.data.params, *run.data.params.values(), *run.data.tags, *run.data.tags.values(), *run.data.metrics]
-        assert not any(SECRET in t for t in texts), run.info.run_name
-        folder = tracking.download(f"runs:/{run.info.run_id}/")
-        for path in folder.rglob("*"):
-            assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+    runs = [tracking.client().get_run(run_id), *tracking.stage_runs(run_id)]
+    artifacts = files(*(tracking.download(f"runs:/{run.info.run_id}/") for run in runs))
+    assert leaks([SECRET], texts=mlflow_texts(runs), blobs=artifacts) == []
     assert any(run.data.params.get("eval.judges", "").count(KEY_ENV) for run in runs)  # the variable's name only
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from leaks import leaks, mlflow_texts
 from stages import tracking
 from stages.launch import free_port
 
@@ -177,13 +178,19 @@ def test_compare_prints_the_headline_table_and_writes_the_curves(stack, runs, tm
 def test_credentials_stay_out_of_mlflow(runs, s3_server):
     client = tracking.client()
     experiment = client.get_experiment_by_name("rlhf").experiment_id
-    recorded = [str(item) for run in client.search_runs([experiment])
-                for item in (*run.data.params.items(), *run.data.tags.items())]
-    recorded += [str(item) for model in client.search_model_versions() for item in model.tags.items()]
-    blobs = s3_server.objects(BUCKET).values()
-    for secret in s3_server.credentials.values():
-        assert not any(secret in text for text in recorded)
-        assert not any(secret.encode() in blob for blob in blobs)
+    texts = mlflow_texts(client.search_runs([experiment]), client.search_model_versions())
+    assert leaks(s3_server.credentials.values(), texts=texts, blobs=s3_server.objects(BUCKET)) == []
+
+
+def test_servers_listen_on_loopback_only(stack):
+    """`rlhf up` without --host: every socket its processes (and their workers) listen on is on
+    loopback. (test_security.py checks the command lines for other hosts.)"""
+    processes = [psutil.Process(record["pid"]) for record in stack.state["processes"].values()]
+    listening = {(conn.laddr.ip, conn.laddr.port) for proc in processes for p in (proc, *proc.children(recursive=True))
+                 for conn in p.net_connections(kind="inet") if conn.status == psutil.CONN_LISTEN}
+    ports = {int(url.rsplit(":", 1)[1].split("/")[0]) for url in stack.state["urls"].values()}
+    assert ports <= {port for _, port in listening}  # the Prefect and MLflow servers' ports
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, listening
 
 
 def test_down_stops_every_process_it_started(stack):

@@ -11,7 +11,8 @@ import pandas as pd
 import torch
 
 from stages.config import DataConfig
-from stages.ppo.experience import left_pad, position_ids
+from stages.ppo.generation import left_pad
+from stages.unpadded import last_hidden_state
 from stages.sources import DataError, data_dir, read_records, resolve_local
 
 LETTERS = "ABCD"
@@ -166,8 +167,7 @@ def answer_logprobs(model, prompts: list[list[int]], choice_ids: list[int], pad_
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         ids, mask = left_pad([prompts[i] for i in rows], pad_id, model.device)
-        hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                                  use_cache=False).last_hidden_state
+        hidden = last_hidden_state(model.base_model, ids, mask)
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
         out[rows] = torch.log_softmax(logits, dim=-1)[:, choice_ids].cpu()
     model.train(was_training)

@@ -18,7 +18,7 @@ from stages.data import read_jsonl
 from stages.evaluate import ceval, report
 from stages.evaluate.judge import LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, tally
 from stages.launch import Dist
-from stages.ppo.experience import generate
+from stages.ppo.generation import generate
 from stages.ppo.stage import encode_prompts
 from stages.reward.model import load_reward_model
 from stages.sft import corpus_texts
@@ -60,10 +60,10 @@ def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str
     prompts = encode_prompts(tokenizer, rows, ev.max_prompt_len)
     out = []
     for start in range(0, len(prompts), ev.generation_batch_size):
-        sequences, _, width, _, _ = generate(model, prompts[start : start + ev.generation_batch_size],
-                                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                             device=device, **ev.generation.model_dump())
-        out += [text.strip() for text in tokenizer.batch_decode(sequences[:, width:], skip_special_tokens=True)]
+        rollout = generate(model, prompts[start : start + ev.generation_batch_size], eos_id=tokenizer.eos_token_id,
+                           pad_id=tokenizer.pad_token_id, device=device, **ev.generation.model_dump())
+        responses = rollout.sequences[:, rollout.prompt_width :]
+        out += [text.strip() for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
     return out
 
 

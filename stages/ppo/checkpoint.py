@@ -8,13 +8,15 @@ no folder that looks complete. Loading takes the newest folder whose manifest ve
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from stages.sources import file_digest
 
@@ -28,12 +30,49 @@ def _engine_states(trainer) -> dict[str, object]:
     return engines
 
 
+class DiskFullError(RuntimeError):
+    """A checkpoint could not be written because the disk or the quota is full."""
+
+
+# Out of space, over the file size limit, over the quota.
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _save_file(path: Path, write) -> None:
+    # Through a Python file object: a failed write raises OSError with its errno (torch.save and
+    # safetensors.save_file given a path raise errors without one).
+    with open(path, "wb") as out:
+        write(out)
+
+
 def save(trainer, directory: Path, keep: int = 2) -> Path:
     """Write a checkpoint of `trainer` at its current iteration (collective under DeepSpeed);
-    keep the newest `keep` checkpoints."""
+    keep the newest `keep` checkpoints. A full disk raises DiskFullError, the checkpoints before
+    this one intact."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"iter-{trainer.iteration:06d}"
     tmp = directory / f".tmp-iter-{trainer.iteration:06d}"
+    try:
+        _write(trainer, tmp)
+    except OSError as err:
+        if trainer.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # half written: it only takes space
+        if err.errno in DISK_FULL:
+            raise DiskFullError(f"cannot write checkpoint {final}: the disk or the quota is full ({err.strerror}: "
+                                f"{err.filename or tmp}); the checkpoints before it are kept") from err
+        raise
+    if trainer.dist.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in sorted(directory.glob("iter-*"))[:-keep]:
+            shutil.rmtree(old)
+    trainer.dist.barrier()
+    return final
+
+
+def _write(trainer, tmp: Path) -> None:
+    """The files of a checkpoint, and last its manifest, into folder `tmp`."""
     if trainer.dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -43,22 +82,15 @@ def save(trainer, directory: Path, keep: int = 2) -> Path:
             engine.save_checkpoint(str(tmp / name), tag="state")  # every rank writes its shards
         elif trainer.dist.is_main:
             weights = {k: v.detach().contiguous().clone() for k, v in engine.module.state_dict().items()}
-            save_file(weights, str(tmp / f"{name}.safetensors"))
-            torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.lr_scheduler.state_dict()},
-                       tmp / f"{name}.optim.pt")
+            _save_file(tmp / f"{name}.safetensors", lambda out: out.write(safetensors.torch.save(weights)))
+            optim = {"optimizer": engine.optimizer.state_dict(), "scheduler": engine.lr_scheduler.state_dict()}
+            _save_file(tmp / f"{name}.optim.pt", lambda out: torch.save(optim, out))
     trainer.dist.barrier()
     if trainer.dist.is_main:
-        torch.save(trainer.state(), tmp / "trainer.pt")
+        _save_file(tmp / "trainer.pt", lambda out: torch.save(trainer.state(), out))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"iteration": trainer.iteration, "files": {str(p.relative_to(tmp)): file_digest(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in sorted(directory.glob("iter-*"))[:-keep]:
-            shutil.rmtree(old)
-    trainer.dist.barrier()
-    return final
 
 
 def verified(folder: Path) -> bool:

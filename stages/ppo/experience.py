@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.launch import autocast
+from stages.ppo.generation import generate
 from stages.reward.model import RewardModel
+from stages.unpadded import last_hidden_state
 
 
 @dataclass
@@ -25,7 +28,7 @@ class Experience:
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # log π_old(a_j | s_j)
     ref_logprobs: torch.Tensor  # log π_SFT(a_j | s_j)
-    values: torch.Tensor  # V_old(s_j)
+    values: torch.Tensor | None  # V_old(s_j); None until the training forward fills it in
     scores: torch.Tensor  # [B] raw score r(x, y)
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -39,15 +42,9 @@ class Experience:
         return Experience(**picked)
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count real tokens only, as generation uses them for left-padded prompts."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """Logits predicting each response token: the LM head runs on response positions only."""
-    hidden = model.base_model(input_ids=sequences, attention_mask=attention_mask,
-                              position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    hidden = last_hidden_state(model.base_model, sequences, attention_mask)
     return model.get_output_embeddings()(hidden[:, prompt_width - 1 : -1])
 
 
@@ -59,72 +56,35 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """V(s_j) for every response token: the reward model's scalar head applied per token."""
-    hidden = critic.lm.base_model(input_ids=sequences, attention_mask=attention_mask,
-                                  position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+    hidden = last_hidden_state(critic.lm.base_model, sequences, attention_mask)
     head = critic.score_head
     return head(hidden[:, prompt_width - 1 : -1].to(head.weight.dtype)).squeeze(-1).float()
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        mask[i, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-@torch.no_grad()
-def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
-             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu"):
-    """(sequences, attention_mask, prompt width, response mask, ended_with_eos); stops at EOS."""
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    was_training = actor.training
-    actor.eval()
-    sequences = actor.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
-        temperature=temperature if do_sample else None, top_p=top_p if do_sample else None,
-        top_k=top_k if do_sample else None, repetition_penalty=repetition_penalty,
-        eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True,
-    )
-    actor.train(was_training)
-    width = prompt_ids.shape[1]
-    response = sequences[:, width:]
-    if response.shape[1] == 0:  # nothing generated at all: one pad column to keep shapes valid
-        response = torch.full((len(prompts), 1), pad_id, dtype=torch.long, device=device)
-    is_eos = response == eos_id
-    ended = is_eos.any(dim=1)
-    last = torch.where(ended, is_eos.float().argmax(dim=1), torch.full_like(ended, response.shape[1] - 1, dtype=torch.long))
-    response_mask = torch.arange(response.shape[1], device=device)[None, :] <= last[:, None]
-    response = torch.where(response_mask, response, torch.full_like(response, pad_id))
-    sequences = torch.cat([prompt_ids, response], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    return sequences, attention_mask, width, response_mask.float(), ended
-
-
 @torch.no_grad()
 def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: list[list[int]], *, eos_id: int,
-                    pad_id: int, generation: dict, device: str = "cpu") -> Experience:
+                    pad_id: int, generation: dict, with_values: bool = True, mixed_precision: str = "none",
+                    device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
-    `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores."""
+    `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores.
+    with_values=False leaves V_old to the training step, which computes it in its own forward."""
     lap = Laps(device)
-    sequences, attention_mask, width, response_mask, ended = generate(
-        actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device, **generation)
-    lap("generate")
-    tokens = sequences[:, width:]
-    temperature = generation["temperature"]
-    logprobs = token_logprobs(response_logits(actor, sequences, attention_mask, width), tokens, temperature)
-    lap("logprobs")
-    ref_logprobs = logprobs if reference is actor else token_logprobs(
-        response_logits(reference, sequences, attention_mask, width), tokens, temperature)
-    lap("ref_logprobs")
-    values = token_values(critic, sequences, attention_mask, width)
-    lap("values")
-    scores = score_fn(sequences, attention_mask, width, response_mask).float()
-    lap("scores")
-    return Experience(sequences, attention_mask, width, response_mask, ended, logprobs * response_mask,
-                      ref_logprobs * response_mask, values * response_mask, scores, seconds=lap.seconds)
+    rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device, **generation)
+    lap("generate")  # log π_old comes with the samples: no second forward of the actor
+    sequences, attention_mask, width = rollout.sequences, rollout.attention_mask, rollout.prompt_width
+    response_mask = rollout.response_mask
+    with autocast(device, mixed_precision):
+        ref_logprobs = rollout.logprobs if reference is actor else token_logprobs(
+            response_logits(reference, sequences, attention_mask, width), sequences[:, width:], generation["temperature"])
+        lap("ref_logprobs")
+        values = None
+        if with_values:
+            values = token_values(critic, sequences, attention_mask, width) * response_mask
+            lap("values")
+        scores = score_fn(sequences, attention_mask, width, response_mask).float()
+        lap("scores")
+    return Experience(sequences, attention_mask, width, response_mask, rollout.ended_with_eos, rollout.logprobs,
+                      ref_logprobs * response_mask, values, scores, seconds=lap.seconds)
 
 
 class Laps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,7 +39,9 @@ class RunningMoments:
         if all_reduce_sum is not None:
             sums = all_reduce_sum(sums)
         n, total, squares = sums
-        if n == 0:
+        # NaN/Inf scores would spoil the statistics for good; the trainer skips that iteration.
+        # The sums are the same on every rank, so every rank leaves them out alike.
+        if n == 0 or not math.isfinite(total + squares):
             return
         mean = total / n
         self.merge(mean, max(squares / n - mean * mean, 0.0), n)

@@ -23,6 +23,10 @@ from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer
 from stages.reward.model import load_reward_model
 
+# A resumed attempt continues from the last checkpoint in the MLflow run of the attempt that was
+# killed (tracking.PipelineRun.stage): one run holds the whole history, each step once.
+RESUMES = True
+
 
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     """Once, before the ranks start: local copies of the splits and of every model."""
@@ -135,6 +139,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                             "ppo.critic_model": inputs.get("critic_model", "reward model")}
                            if resume_from is None else {})
         tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
+        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
         tracker.log_metrics(baseline_metrics, step=0)
     progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
                     disable=not dist.is_main, dynamic_ncols=True)
@@ -148,10 +153,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             tracker.log_metrics(metrics, step=it)
             if it % ppo.samples_every == 0 or it == ppo.iterations:
                 table = samples_table(tokenizer, trainer)
-                tracker.client.log_table(tracker.run_id, data=table, artifact_file=f"samples/iteration_{it:05d}.json")
+                tracker.log_table(table, f"samples/iteration_{it:05d}.json")
                 histogram = tracker.workdir / f"scores_{it:05d}.png"
                 score_histogram(table["score"].tolist(), f"scores at iteration {it}", histogram)
-                tracker.log_artifact(histogram, "samples")
+                tracker.log_artifact(histogram, "samples", buffered=True)
         if it % ppo.checkpoint_every == 0 and it < ppo.iterations:
             checkpoint.save(trainer, checkpoints)
         progress.update(1)

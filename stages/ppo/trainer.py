@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from stages.config import PPOConfig
-from stages.launch import Dist, clip_grad_norm, make_engine
+from stages.guards import NonFiniteGuard
+from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
 from stages.ppo.advantages import gae, masked_mean, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_logprobs, token_values
 from stages.ppo.losses import entropy_from_logits, policy_loss, ptx_loss, value_loss
@@ -40,13 +41,17 @@ class PPOTrainer:
         engine_clip = math.inf if self.joint_clip else ppo.max_grad_norm
 
         def engine(model, lr):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ppo.adam_betas)
+            optimizer = adamw(model, lr=lr, betas=ppo.adam_betas)
             return make_engine(model, optimizer, warmup_schedule(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
                                grad_accum_steps=1, max_grad_norm=engine_clip, dist=dist)
 
         self.actor = engine(actor, ppo.actor_lr) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
+        # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
+        # value its training forward computes. The rollout then skips the critic's own forward.
+        self.values_in_training = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
         self.critic = engine(critic, ppo.critic_lr)
         self.iteration, self.episode, self.cursor = 0, 0, 0
+        self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
         self.rng = random.Random(ppo.seed)
         self.order = self._shuffled()
         torch.manual_seed(ppo.seed + dist.rank)
@@ -68,14 +73,16 @@ class PPOTrainer:
         return [self.prompts[i] for i in self.order[start : start + size]]
 
     # -- one iteration ------------------------------------------------------------------------
-    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True) -> tuple[Experience, torch.Tensor, float]:
+    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True,
+                with_values: bool = True) -> tuple[Experience, torch.Tensor, float]:
         """Roll out on `prompts`, shape the rewards and run GAE: (the experience with rewards, KL,
         advantages and returns; the shaped scores; β). Held-out rollouts pass update_moments=False:
-        they are judged on the running score statistics without changing them."""
+        they are judged on the running score statistics without changing them. with_values=False
+        leaves V_old, and so GAE, to the training step (see `values_in_training`)."""
         ppo, sw = self.ppo, self.switches
         exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, prompts,
                               eos_id=self.eos_id, pad_id=self.pad_id, generation=ppo.generation.model_dump(),
-                              device=self.dist.device)
+                              with_values=with_values, mixed_precision=ppo.autocast, device=self.dist.device)
         # Score reparameterisation on running statistics, updated before use (§5.3.1).
         scores = apply_eos_penalty(exp.scores, exp.ended_with_eos, ppo.eos_penalty_score if sw["eos_penalty"] else None)
         if sw["score_mode"] != "none" and update_moments:
@@ -84,16 +91,20 @@ class PPOTrainer:
         # Token rewards (eq. 1–2) and GAE (eq. 3).
         beta = ppo.kl_coef if sw["kl_penalty"] else 0.0
         exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, beta, ppo.kl_estimator)
-        exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
+        if exp.values is not None:
+            exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
         return exp, shaped, beta
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
-        exp, shaped, beta = self.rollout(self.next_prompts())
+        exp, shaped, beta = self.rollout(self.next_prompts(), with_values=not self.values_in_training)
         rollout_seconds = time.perf_counter() - started
 
         train_started = time.perf_counter()
-        stats = self.optimise(exp)
+        # NaN/Inf scores skip the iteration's update (the running moments already left them out).
+        finite = self.guard.check({"scores": exp.scores, "rewards": exp.rewards}, f"iteration {self.iteration + 1}",
+                                  last=False)
+        stats = self.optimise(exp) if finite else {}
         self.iteration += 1
         self.episode += len(exp.scores) * self.dist.world_size
         elapsed = time.perf_counter() - started
@@ -113,8 +124,11 @@ class PPOTrainer:
             "policy/response_length": lengths.mean().item(),
             "policy/response_length_p90": float(np.percentile(lengths.cpu().numpy(), 90)),
             "val/num_eos_tokens": exp.ended_with_eos.sum().item(),
-            "val/mean": masked_mean(exp.values, mask).item(),
-            "val/explained_variance": explained_variance(exp.values, exp.returns, mask),
+            # No values when the update was skipped before the critic's forward (values_in_training).
+            "val/mean": masked_mean(exp.values, mask).item() if exp.values is not None else math.nan,
+            "val/explained_variance": (explained_variance(exp.values, exp.returns, mask)
+                                       if exp.values is not None else math.nan),
+            "train/skipped_steps": self.guard.skipped,
             "reward/running_mean": self.moments.mean,
             "reward/running_std": self.moments.std,
             **stats,
@@ -139,8 +153,13 @@ class PPOTrainer:
         for _ in range(ppo.ppo_epochs):
             order = torch.randperm(len(exp.scores))
             for start in range(0, len(order), ppo.minibatch_size):
-                mb = exp.rows(order[start : start + ppo.minibatch_size])
+                mb = exp if exp.values is None else exp.rows(order[start : start + ppo.minibatch_size])
                 mask = mb.response_mask
+                with autocast(self.dist.device, ppo.autocast):
+                    values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                if mb.values is None:  # values_in_training: V_old and GAE (eq. 3) from this very forward
+                    mb.values = values.detach() * mask
+                    mb.advantages, mb.returns = gae(mb.rewards, mb.values, mask, ppo.gamma, ppo.lam)
                 if sw["whiten_advantages"]:  # over the global minibatch: the same on 1 rank or N
                     advantages = masked_whiten(mb.advantages, mask, all_reduce_sum=self.dist.all_reduce_sum)
                 else:
@@ -148,28 +167,36 @@ class PPOTrainer:
                 if ppo.advantage_clip is not None:
                     advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
 
-                values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
                 v_loss, v_stats = value_loss(values, mb.values, mb.returns, mask,
                                              ppo.value_clip_eps if sw["value_clip"] else None)
-                self.critic.backward(v_loss)
                 step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
 
                 if self.train_actor:
-                    logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                    with autocast(self.dist.device, ppo.autocast):
+                        logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
                     logprobs = token_logprobs(logits, mb.sequences[:, mb.prompt_width :], temperature)
                     pg_loss, pg_stats = policy_loss(logprobs, mb.logprobs, advantages, mask, ppo.clip_eps)
                     entropy = masked_mean(entropy_from_logits(logits.float() / temperature), mask)
                     actor_loss = pg_loss - ppo.entropy_coef * entropy
                     ptx = torch.zeros(())
                     if sw["ptx"] and self.ptx_examples:
-                        ptx = self._ptx_loss()
+                        with autocast(self.dist.device, ppo.autocast):
+                            ptx = self._ptx_loss()
                         actor_loss = actor_loss + ppo.ptx_coef * ptx
-                    self.actor.backward(actor_loss)
                     step_stats.update({
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
                         "policy/entropy_avg": entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
                         "val/ratio": pg_stats["ratio"], "val/ratio_var": pg_stats["ratio_var"],
                     })
+                # Both losses are checked before either backward, alike on every rank: a skipped
+                # minibatch leaves no gradient behind and steps no optimiser.
+                losses = {"value loss": v_loss, **({"policy loss": actor_loss} if self.train_actor else {})}
+                minibatch = start // ppo.minibatch_size + 1
+                if not self.guard.check(losses, f"iteration {self.iteration + 1}, minibatch {minibatch}"):
+                    continue
+                self.critic.backward(v_loss)
+                if self.train_actor:
+                    self.actor.backward(actor_loss)
                 grad_norm = clip_grad_norm([self.actor, self.critic], ppo.max_grad_norm) if self.joint_clip else math.nan
                 self.actor.step()
                 self.critic.step()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from stages import sources
 from stages.config import ModelConfig
+from stages.unpadded import last_hidden_state
 
 SCORE_HEAD_FILE = "score_head.safetensors"
 REWARD_CONFIG_FILE = "reward_config.json"
@@ -38,10 +39,8 @@ class RewardModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lm_rows: int = 0):
         """(reward of each row, LM logits of the first `lm_rows` rows)."""
         # Positions count real tokens only, so a left-padded row sees the positions of its
-        # right-padded twin (absolute position embeddings included).
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, use_cache=False).last_hidden_state
+        # right-padded twin (absolute position embeddings included); pads cost no linear layer.
+        hidden = last_hidden_state(self.lm.base_model, input_ids, attention_mask)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = hidden[rows, last_token_index(attention_mask)]
         rewards = self.score_head(last.to(self.score_head.weight.dtype)).squeeze(-1).float()

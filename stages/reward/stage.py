@@ -17,7 +17,8 @@ from tqdm import tqdm
 from stages import sources, tracking
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import encode_example, read_jsonl
-from stages.launch import Dist, make_engine
+from stages.guards import NonFiniteGuard
+from stages.launch import Dist, adamw, make_engine
 from stages.reward.batching import PairBatchSampler
 from stages.reward.loss import RewardLoss, pairwise_loss, reward_model_loss
 from stages.reward.model import reward_model_from_lm, save_reward_model
@@ -148,7 +149,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     if rm.max_steps:
         total_steps = min(total_steps, rm.max_steps)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
+    optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * total_steps), total_steps)
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
                          grad_accum_steps=1, max_grad_norm=rm.max_grad_norm, dist=dist)
@@ -160,6 +161,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                             "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
                             "reward.sft_model": inputs["sft_model"]})
 
+    guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
     engine.train()
     schedule = (indices for epoch in range(rm.epochs) for indices in sampler.batches(epoch))
     progress = tqdm(total=total_steps, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
@@ -168,8 +170,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         step_started = time.perf_counter()
         batch = pair_batch([train_set[i] for i in indices], pad_id, dist.device)
         loss, r_chosen, r_rejected = forward_pairs(engine, batch, len(indices), rm.beta_rm)
-        engine.backward(loss.total)
-        engine.step()
+        if guard.check({"loss": loss.total}, f"step {step}"):  # else skipped: no gradient, no weight moves
+            engine.backward(loss.total)
+            engine.step()
         pairs, pairwise_sum, correct, margin_sum, nll_sum, lm_tokens, tokens, padded = dist.all_reduce_sum(
             step_totals(loss, r_chosen, r_rejected, batch))
         elapsed = time.perf_counter() - step_started
@@ -187,6 +190,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                 "train/padding_fraction": 1.0 - tokens / padded,
                 "train/pairs": pairs,
                 "train/epoch": step / sampler.steps_per_epoch,
+                "train/skipped_steps": guard.skipped,
             }, step=step)
         progress.update(1)
         progress.set_postfix(loss=f"{train_loss:.3f}", acc=f"{correct / pairs:.2f}")

@@ -1,0 +1,62 @@
+"""A decoder forward whose linear layers skip the padding.
+
+Rollout batches are padded twice: prompts on the left to the longest prompt, responses on the
+right after their EOS. On the demo's PPO batches a quarter of all positions are padding, and the
+linear layers (all but attention) cost the same for a pad as for a token. Here every linear layer
+runs on the real tokens only, gathered into one [N, hidden] matrix; only attention, which needs
+the [batch, length] layout, scatters them back, and its score matrices are small beside the
+linear layers at these lengths. The result is the same hidden states as the model's own forward
+(tests compare them), with zeros at pad positions.
+
+Llama-architecture decoders only (SmolLM2, Llama, the tiny test models); any other model, and
+a model with gradient checkpointing or attention dropout, takes its own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, as generation uses them for left-padded prompts."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _unpadded_ok(base_model) -> bool:
+    config = base_model.config
+    return (config.model_type == "llama" and not getattr(base_model, "gradient_checkpointing", False)
+            and not (base_model.training and config.attention_dropout > 0))
+
+
+def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L, hidden] final hidden states of a (left- and/or right-) padded batch."""
+    positions = position_ids(attention_mask)
+    if not _unpadded_ok(base_model):
+        return base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                          use_cache=False).last_hidden_state
+    batch, length = input_ids.shape
+    index = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat positions of the real tokens
+    x = base_model.embed_tokens(input_ids.reshape(-1)[index])  # [N, hidden]
+    cos, sin = base_model.rotary_emb(x, position_ids=positions)
+    # Causal over real keys; a pad query attends to itself only, so no softmax row is all masked
+    # (that row would be NaN, and its NaN gradient would reach real keys).
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=x.device)
+    mask = ((causal & attention_mask.bool()[:, None, :]) | diagonal)[:, None]
+
+    def padded(t: torch.Tensor, head_dim: int) -> torch.Tensor:  # [N, heads·d] → [B, heads, L, d]
+        full = t.new_zeros(batch * length, t.shape[-1]).index_copy(0, index, t)
+        return full.view(batch, length, -1, head_dim).transpose(1, 2)
+
+    for layer in base_model.layers[: base_model.config.num_hidden_layers]:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = (padded(proj(h), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1)[index])
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = base_model.norm(x)
+    return x.new_zeros(batch * length, x.shape[-1]).index_copy(0, index, x).view(batch, length, -1)

@@ -1,0 +1,221 @@
+"""Faults injected into real runs of the tiny PPO stage (issue 8): a SIGKILL at a random moment and
+a resume, a tracking server that goes away (and comes back, or not), a disk that fills up while a
+checkpoint is written. Every run keeps its metric history whole: each step logged exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from test_ppo_stage import TRL_NAMES, stage_run
+
+from stages import tracking
+from stages.config import load_config
+from stages.launch import execute, free_port
+from stages.ppo import checkpoint
+
+
+def runs_dir() -> Path:
+    return tracking.rlhf_home() / "runs"
+
+
+def new_checkpoint(before: set[Path], name: str, timeout: float = 300) -> Path:
+    """The checkpoints folder of the pipeline run (not in `before`) in which checkpoint `name` appeared."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for folder in set(runs_dir().iterdir()) - before:
+            if (folder / "ppo" / "checkpoints" / name / checkpoint.MANIFEST).exists():
+                return folder / "ppo" / "checkpoints"
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint {name} appeared in {timeout} s")
+
+
+def steps(run_id: str, name: str) -> list[int]:
+    return sorted(m.step for m in tracking.client().get_metric_history(run_id, name))
+
+
+def assert_every_step_once(run_id: str, iterations: int) -> None:
+    for name in TRL_NAMES:
+        assert steps(run_id, name) == list(range(1, iterations + 1)), name  # none lost, none twice
+
+
+def test_a_ppo_run_killed_at_a_random_moment_resumes_with_every_step_logged_once(full_run):
+    from flows.rlhf import rlhf
+
+    iterations, overrides = 6, ["ppo.iterations=6", "ppo.checkpoint_every=2", "ppo.eval_every=3"]
+    iteration_s = stage_run(full_run, "ppo").data.metrics["ppo/train_seconds"] / load_config("tiny").ppo.iterations
+    before = set(runs_dir().iterdir())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # its own ephemeral Prefect
+    args = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--stages", "ppo", "--from-run", full_run]
+    proc = subprocess.Popen([*args, *(a for o in overrides for a in ("--set", o))], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        checkpoints = new_checkpoint(before, "iter-000002")
+        time.sleep(random.Random(8).uniform(0.0, 2.5) * iteration_s)  # anywhere in the next 2.5 of 4 iterations
+        assert proc.poll() is None, "the run ended before the kill"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed = checkpoints.parents[1].name
+    resume_from = checkpoint.latest(checkpoints).name
+
+    assert rlhf(preset="tiny", overrides=overrides, stages=["ppo"], resume=killed) == killed
+    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == "ppo"]  # one run
+    assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
+    assert_every_step_once(attempt.info.run_id, iterations)
+    assert steps(attempt.info.run_id, "eval/kl") == [0, 3, 6]  # 0: the SFT policy; 6: the final evaluation
+
+    # The steps logged before the kill, and those after the resume (computed again from the
+    # checkpoint, the steps up to the kill included), are an uninterrupted run's.
+    whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run), "ppo").info.run_id
+    client = tracking.client()
+    for name in ("objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "episode", "eval/score"):
+        got, want = ({m.step: m.value for m in client.get_metric_history(run_id, name)}
+                     for run_id in (attempt.info.run_id, whole))
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
+
+
+class MlflowServer:
+    """A real `mlflow server` on a free loopback port over the session's SQLite store."""
+
+    def __init__(self, home: Path):
+        self.home, self.port, self.proc = home, free_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--workers", "1", "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
+               "--artifacts-destination", str(self.home / "mlflow-server-artifacts")]
+        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(f"{self.uri}/health", timeout=5).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, at once
+            self.proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(full_run, rlhf_home, monkeypatch):
+    server = MlflowServer(rlhf_home)
+    server.start()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    yield server
+    server.stop()
+
+
+def in_background(fn) -> threading.Thread:
+    """Run fn in a thread; its exception, if any, is raised by join_checked."""
+    def target():
+        try:
+            fn()
+        except BaseException as err:
+            thread.error = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.error = None
+    thread.start()
+    return thread
+
+
+def join_checked(thread: threading.Thread) -> None:
+    thread.join()
+    if thread.error is not None:
+        raise thread.error
+
+
+def test_ppo_trains_through_a_tracking_server_outage_and_logs_every_step_once(mlflow_server, full_run):
+    from flows.rlhf import rlhf
+
+    iterations, overrides = 6, ["ppo.iterations=6", "ppo.checkpoint_every=1", "ppo.eval_every=3"]
+    before, seen = set(runs_dir().iterdir()), {}
+
+    def outage():
+        checkpoints = new_checkpoint(before, "iter-000001")
+        mlflow_server.stop()
+        down, seen["at_stop"] = time.monotonic(), checkpoint.latest(checkpoints).name
+        # Down for a few seconds, and until training has gone on (a newer checkpoint).
+        while time.monotonic() - down < 60 and (time.monotonic() - down < 5 or
+                                                 checkpoint.latest(checkpoints).name == seen["at_stop"]):
+            time.sleep(0.2)
+        seen["at_restart"] = checkpoint.latest(checkpoints).name
+        mlflow_server.start()
+
+    thread = in_background(outage)
+    try:
+        pipeline = rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run)
+    finally:
+        join_checked(thread)
+    assert seen["at_restart"] > seen["at_stop"], "training stopped while the tracking server was down"
+    run = stage_run(pipeline, "ppo")
+    assert run.info.status == "FINISHED"
+    assert_every_step_once(run.info.run_id, iterations)
+    assert steps(run.info.run_id, "eval/kl") == [0, 3, 6]
+    samples = {f.path for f in tracking.client().list_artifacts(run.info.run_id, "samples")}
+    assert {"samples/iteration_00003.json", "samples/scores_00003.png", "samples/iteration_00006.json"} <= samples
+
+
+def test_a_tracking_server_down_for_longer_than_the_patience_fails_the_stage_clearly(mlflow_server, full_run):
+    from flows.rlhf import rlhf
+
+    overrides = ["ppo.iterations=40", "ppo.checkpoint_every=1", "orchestration.tracking_patience_s=5"]
+    before, found = set(runs_dir().iterdir()), {}
+
+    def outage():  # for good
+        found["checkpoints"] = new_checkpoint(before, "iter-000001")
+        mlflow_server.stop()
+
+    thread = in_background(outage)
+    try:
+        with pytest.raises(tracking.TrackingUnavailable) as err:
+            rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run)
+    finally:
+        join_checked(thread)
+    message = str(err.value)
+    assert f"MLflow tracking server {mlflow_server.uri} unreachable" in message
+    assert "longer than orchestration.tracking_patience_s=5;" in message
+    assert checkpoint.latest(found["checkpoints"]) is not None  # kept, for --resume
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_checkpoint(full_run):
+    cfg = load_config("tiny", ["ppo.iterations=6", "ppo.checkpoint_every=2"])
+    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
+    checkpoints = pipeline.workdir / "ppo" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    # A disk with room for one and a half checkpoints (the full run's are the same size): the
+    # checkpoint of iteration 2 fits, that of iteration 4 does not.
+    size = folder_bytes(runs_dir() / full_run / "ppo" / "checkpoints" / "iter-000002") * 3 // 2
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(checkpoints)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        with pytest.raises(checkpoint.DiskFullError) as err:
+            execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+        assert f"cannot write checkpoint {checkpoints / 'iter-000004'}: the disk or the quota is full" in str(err.value)
+        assert checkpoint.latest(checkpoints) == checkpoints / "iter-000002"
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["iter-000002"]  # no half-written folder left
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=True)
+    pipeline.finish("FAILED")
+    assert tracking.stage_runs(pipeline.run_id)[0].info.status == "FAILED"

@@ -1,0 +1,147 @@
+"""The PPO speed paths compute what the plain ones do: the padding-free forward, log π_old taken
+from the sampling loop, and V_old taken from the critic's training forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ppo_train import make_trainer, tiny  # noqa: F401  (the module's tiny model and prompts)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stages.ppo.experience import response_logits, token_logprobs
+from stages.ppo.generation import generate
+from stages.unpadded import last_hidden_state, position_ids
+
+
+def small_llama(**extra) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **extra))
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 97, (4, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding (a short prompt)
+    mask[1, -4:] = 0  # right padding (an early EOS)
+    mask[2, :2] = 0
+    mask[2, -3:] = 0  # both
+    return ids, mask
+
+
+def test_the_padding_free_forward_gives_the_models_own_hidden_states_and_gradients():
+    model = small_llama()
+    ids, mask = padded_batch()
+    real = mask.bool()[..., None]
+    own = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                           use_cache=False).last_hidden_state
+    ours = last_hidden_state(model.base_model, ids, mask)
+    assert torch.allclose(own * real, ours, atol=1e-5)
+    assert ours.masked_select(~real).abs().max() == 0
+    weights = torch.randn_like(own) * real
+    own_grads = torch.autograd.grad((own * weights).sum(), list(model.base_model.parameters()))
+    our_grads = torch.autograd.grad((ours * weights).sum(), list(model.base_model.parameters()))
+    for own_grad, our_grad in zip(own_grads, our_grads):
+        assert torch.isfinite(our_grad).all()
+        assert torch.allclose(own_grad, our_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_other_architectures_take_their_own_forward():
+    model = small_llama()
+    model.config.model_type = "not-llama"  # e.g. a model whose layers this module does not know
+    ids, mask = padded_batch()
+    hidden = last_hidden_state(model.base_model, ids, mask)
+    assert hidden.masked_select(~mask.bool()[..., None]).abs().max() > 0  # the model's own: pads computed too
+
+
+@pytest.mark.parametrize("sampling", [
+    {"do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
+    {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1},
+    {"do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0},
+])
+def test_sampled_log_probabilities_equal_a_full_forward(sampling):
+    model = small_llama().eval()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+    torch.manual_seed(1)
+    rollout = generate(model, prompts, eos_id=2, pad_id=0, max_new_tokens=9, **sampling)
+    with torch.no_grad():
+        logits = response_logits(model, rollout.sequences, rollout.attention_mask, rollout.prompt_width)
+    full = token_logprobs(logits, rollout.sequences[:, rollout.prompt_width :], sampling["temperature"])
+    assert torch.allclose(rollout.logprobs, full * rollout.response_mask, atol=1e-4)
+    assert rollout.response_mask.sum() > 0
+
+
+def test_greedy_sampling_with_a_repetition_penalty_matches_transformers():
+    model = small_llama().eval()
+    prompt = [5, 6, 7, 5, 6, 7]
+    rollout = generate(model, [prompt], eos_id=96, pad_id=0, max_new_tokens=12, do_sample=False, temperature=1.0,
+                       top_p=1.0, top_k=0, repetition_penalty=1.3)
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                            eos_token_id=96, pad_token_id=0)
+    assert rollout.sequences[0, len(prompt) :].tolist() == theirs[0, len(prompt) :].tolist()
+
+
+def test_generation_stops_when_every_row_has_ended_and_masks_after_eos():
+    model = small_llama().eval()
+    model.lm_head = torch.nn.Linear(48, 97)  # logits = bias: EOS (2) has p ≈ 0.36 at every step
+    torch.nn.init.zeros_(model.lm_head.weight)
+    torch.nn.init.zeros_(model.lm_head.bias)
+    model.lm_head.bias.data[2] = 4.0
+    torch.manual_seed(0)
+    rollout = generate(model, [[5, 6], [7, 8, 9], [10]], eos_id=2, pad_id=0, max_new_tokens=40, do_sample=True,
+                       temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    response = rollout.sequences[:, rollout.prompt_width :]
+    lengths = rollout.response_mask.sum(1).long()
+    assert rollout.ended_with_eos.all() and response.shape[1] == lengths.max() < 40  # no step after the last EOS
+    assert len(set(lengths.tolist())) > 1  # rows ended at different steps
+    assert (response[torch.arange(3), lengths - 1] == 2).all()
+    after = rollout.response_mask == 0
+    assert (response[after] == 0).all() and (rollout.logprobs[after] == 0).all()
+
+
+def test_values_from_the_training_forward_give_the_same_update(tiny):  # noqa: F811
+    """One epoch, one minibatch: V_old from the critic's training forward, or from a forward of
+    its own in the rollout: the same losses and the same weights after the step."""
+    results = []
+    for in_training in (True, False):
+        trainer = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1",
+                               "ppo.generation.do_sample=false", "ppo.generation.max_new_tokens=8")
+        assert trainer.values_in_training
+        trainer.values_in_training = in_training
+        metrics = trainer.step()
+        assert ("time/values" in metrics) != in_training  # the rollout skipped the critic's forward
+        results.append((metrics, [p.detach().clone() for p in trainer.critic.module.parameters()],
+                        [p.detach().clone() for p in trainer.actor.module.parameters()]))
+    (fused, critic_a, actor_a), (plain, critic_b, actor_b) = results
+    for name in ("loss/value_avg", "loss/policy_avg", "val/explained_variance", "objective/kl", "policy/grad_norm"):
+        assert fused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
+    for a, b in zip(critic_a + actor_a, critic_b + actor_b):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_inverse_cdf_sampling_draws_from_the_distribution():
+    from stages.ppo.generation import next_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20) * 2
+    logits[:, 5] = -torch.inf  # a token top-p/top-k removed: never drawn
+    seen = torch.zeros(3, 1, dtype=torch.long)
+    counts = torch.zeros(3, 20)
+    draws = 4000
+    for _ in range(draws):
+        token = next_tokens(logits, seen, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, do_sample=True)
+        counts[torch.arange(3), token] += 1
+    assert counts[:, 5].sum() == 0
+    assert (counts / draws - logits.softmax(-1)).abs().max() < 0.03  # ~4 standard errors at p = 0.5
+
+
+def test_bf16_autocast_trains_with_finite_numbers_close_to_fp32(tiny):  # noqa: F811
+    results = {}
+    for precision in ("none", "bf16"):
+        trainer = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
+                               "ppo.generation.do_sample=false", "ppo.generation.max_new_tokens=8",
+                               f"ppo.autocast={precision}")
+        results[precision] = trainer.step()
+        assert all(torch.isfinite(p).all() for p in trainer.actor.module.parameters())
+    for name in ("objective/kl", "loss/value_avg", "objective/scores"):
+        assert results["bf16"][name] == pytest.approx(results["none"][name], rel=0.1, abs=0.02), name
