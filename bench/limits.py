@@ -81,10 +81,6 @@ def main() -> None:
     parser = arguments(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    fp32, bf16, bytes_per_s = matmul_peak(torch.float32), matmul_peak(torch.bfloat16), bandwidth()
-    print(f"{args.threads} threads: matmul peak fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s; "
-          f"copy bandwidth {bytes_per_s / 1e9:.1f} GB/s")
-
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,6 +114,10 @@ def main() -> None:
                      **{**trainer.ppo.generation.model_dump(), "max_new_tokens": 1})
             decode_seconds += metrics["time/generate"] - (time.perf_counter() - started)
             decode_bytes += shapes.weight_bytes * (steps - 1)
+    # Measured right after the PPO iterations, so that both see the machine in the same state.
+    fp32, bf16, bytes_per_s = matmul_peak(torch.float32), matmul_peak(torch.bfloat16), bandwidth()
+    print(f"{args.threads} threads: matmul peak fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s; "
+          f"copy bandwidth {bytes_per_s / 1e9:.1f} GB/s")
     print(f"our PPO iteration (batch {args.batch_size}, ≤{args.response_length} new tokens, {args.iterations} iterations "
           f"after {args.warmup} warm-up):")
     print(f"{'phase':<12}{'GFLOP':>10}{'seconds':>10}{'GFLOP/s':>10}{'MFU':>8}")

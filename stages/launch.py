@@ -124,8 +124,8 @@ class PlainEngine:
 
 
 def autocast(device: str, mixed_precision: str):
-    """bf16 autocast for mixed_precision "bf16" (CPUs with AMX and GPUs run bf16 matmuls several
-    times faster than fp32), else ("none") a no-op context."""
+    """bf16 autocast for mixed_precision "bf16" (GPUs run bf16 matmuls several times faster than
+    fp32), else ("none") a no-op context."""
     import torch
 
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
