@@ -114,7 +114,16 @@ def _read_parquet(path: Path) -> Iterator[dict]:
         frame = pd.read_parquet(path)
     except (pyarrow.ArrowException, OSError) as err:
         raise DataError(str(path), None, f"not a readable parquet file ({err})") from None
-    for row, record in enumerate(frame.to_dict(orient="records"), start=1):
+    try:
+        records = frame.to_dict(orient="records")
+    except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8: find the row
+        for row in range(1, len(frame) + 1):
+            try:
+                frame.iloc[row - 1].to_dict()
+            except UnicodeDecodeError as err:
+                raise DataError(str(path), row, f"text that is not valid UTF-8 (byte {err.start}: {err.reason})") from None
+        raise
+    for row, record in enumerate(records, start=1):
         yield {**record, "_row": row}
 
 

@@ -172,6 +172,7 @@ PAIRS_PARQUET = st.lists(PAIR, min_size=1, max_size=4).map(
 
 @fuzz(120)
 @given(data=PARQUET | PAIRS_PARQUET | mutated(PAIRS_PARQUET) | st.binary(max_size=200))
+@example(data=Path(__file__).with_name("fuzz_examples").joinpath("not_utf8.parquet").read_bytes())  # found in CI
 def test_parquet_files(folder, data):
     path = folder / "pairs.parquet"
     path.write_bytes(data)
