@@ -74,14 +74,13 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     # A preallocated cache: a growing one concatenates every layer's keys and values at every
     # step, which took a sixth of the decode time on CPU.
     cache = StaticCache(config=actor.config, max_cache_len=width + max(max_new_tokens, 1))
-    mask, positions, inputs = prompt_mask, position_ids(prompt_mask), prompt_ids
+    mask, positions, inputs, seen = prompt_mask, position_ids(prompt_mask), prompt_ids, prompt_ids
     cache_position = torch.arange(width, device=device)
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs, alive = [], [], []
     for _ in range(max(max_new_tokens, 1)):
         logits = actor(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        seen = torch.cat([prompt_ids, *(t[:, None] for t in tokens)], dim=1)
         token = next_tokens(logits, seen, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
         token = torch.where(ended, torch.full_like(token, pad_id), token)
@@ -93,6 +92,8 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
             break
         inputs, positions, cache_position = token[:, None], positions[:, -1:] + 1, cache_position[-1:] + 1
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
+        if repetition_penalty != 1.0:  # only the penalty reads the tokens so far
+            seen = torch.cat([seen, token[:, None]], dim=1)
     actor.train(was_training)
     response_mask = torch.stack(alive, dim=1)
     response = torch.stack(tokens, dim=1)
