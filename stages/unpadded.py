@@ -24,16 +24,27 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def _unpadded_ok(base_model) -> bool:
+def unpadded_ok(base_model) -> bool:
     config = base_model.config
     return (config.model_type == "llama" and not getattr(base_model, "gradient_checkpointing", False)
             and not (base_model.training and config.attention_dropout > 0))
 
 
-def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L, hidden] final hidden states of a (left- and/or right-) padded batch."""
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A LlamaRMSNorm module's output; in fp32 (no autocast) from torch's one-kernel form, the same
+    numbers at a sixth less time forward and backward than the module's five operations."""
+    partitioned = hasattr(norm.weight, "ds_id")  # ZeRO-3: the weight exists only inside the module's forward
+    if x.dtype == norm.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type) and not partitioned:
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      keys_values: list | None = None) -> torch.Tensor:
+    """[B, L, hidden] final hidden states of a (left- and/or right-) padded batch. `keys_values`, a
+    list, receives each layer's (keys, values) after RoPE, [B, kv_heads, L, head_dim] (a prefill)."""
     positions = position_ids(attention_mask)
-    if not _unpadded_ok(base_model):
+    if not unpadded_ok(base_model):
         return base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                           use_cache=False).last_hidden_state
     batch, length = input_ids.shape
@@ -44,7 +55,9 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     # (that row would be NaN, and its NaN gradient would reach real keys).
     causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
     diagonal = torch.eye(length, dtype=torch.bool, device=x.device)
-    mask = ((causal & attention_mask.bool()[:, None, :]) | diagonal)[:, None]
+    allowed = ((causal & attention_mask.bool()[:, None, :]) | diagonal)[:, None]
+    # Additive rather than boolean: SDPA's CPU kernel took a fifth less time with it.
+    mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, -torch.inf)
 
     def padded(t: torch.Tensor, head_dim: int) -> torch.Tensor:  # [N, heads·d] → [B, heads, L, d]
         full = t.new_zeros(batch * length, t.shape[-1]).index_copy(0, index, t)
@@ -52,11 +65,14 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
 
     for layer in base_model.layers[: base_model.config.num_hidden_layers]:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        h = rms_norm(layer.input_layernorm, x)
         q, k, v = (padded(proj(h), attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1)[index])
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    x = base_model.norm(x)
+        if keys_values is not None:
+            keys_values.append((k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=attn.scaling, enable_gqa=True)
+        # index_select, not [index]: the latter's backward (index_put with accumulation) took 5× longer
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1).index_select(0, index))
+        x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+    x = rms_norm(base_model.norm, x)
     return x.new_zeros(batch * length, x.shape[-1]).index_copy(0, index, x).view(batch, length, -1)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages.ppo.advantages import gae, masked_whiten
-from stages.ppo.losses import entropy_from_logits, policy_loss, value_loss
+from stages.ppo.losses import entropy, policy_loss, value_loss
 from stages.ppo.rewards import (
     RunningMoments, apply_eos_penalty, kl_estimate, reparameterise_scores, token_rewards,
 )
@@ -149,5 +149,7 @@ def test_whitening_and_entropy():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = masked_whiten(x, mask)
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-4) and w[0, 3] == 0
-    uniform = torch.zeros(1, 1, 4)
-    assert entropy_from_logits(uniform).item() == pytest.approx(math.log(4))
+    uniform = torch.log_softmax(torch.zeros(1, 1, 4), dim=-1)
+    assert entropy(uniform).item() == pytest.approx(math.log(4))
+    peaked = torch.log_softmax(torch.tensor([[[0.0, 0.0, 50.0]]]), dim=-1)
+    assert entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)

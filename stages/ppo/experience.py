@@ -48,10 +48,18 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return model.get_output_embeddings()(hidden[:, prompt_width - 1 : -1])
 
 
+def log_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(· | s_j) over the vocabulary under the sampling distribution (logits / temperature)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(a_j | s_j) under the sampling distribution (logits / temperature)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log π(a_j | s_j) under the sampling distribution."""
+    return picked(log_distribution(logits, temperature), tokens)
+
+
+def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return log_distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The log-probabilities come from the very logits the token was sampled from, so the experience
 needs no second forward pass of the actor (TRL reads them from `generate`'s scores the same way;
 we keep one number per token instead of the [B, R, vocab] scores). The loop stops as soon as every
-row has ended, and the LM head runs on one position per row and step, prompt included.
+row has ended, and the LM head runs on one position per row and step, prompt included. The model
+steps come from `stages.ppo.decoding`.
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The recorded log-probability is under logits / temperature alone, the distribution
@@ -15,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import StaticCache
-
-from stages.unpadded import position_ids
+from stages.ppo.decoding import decoder
 
 
 @dataclass
@@ -68,19 +67,16 @@ def next_tokens(logits: torch.Tensor, seen: torch.Tensor, *, temperature: float,
 def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu") -> Rollout:
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
-    batch, width = prompt_ids.shape
+    batch = prompt_ids.shape[0]
     was_training = actor.training
     actor.eval()
-    # A preallocated cache: a growing one concatenates every layer's keys and values at every
-    # step, which took a sixth of the decode time on CPU.
-    cache = StaticCache(config=actor.config, max_cache_len=width + max(max_new_tokens, 1))
-    mask, positions, inputs, seen = prompt_mask, position_ids(prompt_mask), prompt_ids, prompt_ids
-    cache_position = torch.arange(width, device=device)
+    steps = max(max_new_tokens, 1)
+    model = decoder(actor, prompt_ids, prompt_mask, steps)
+    logits, seen = model.prefill(), prompt_ids
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs, alive = [], [], []
-    for _ in range(max(max_new_tokens, 1)):
-        logits = actor(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    while True:
+        logits = logits.float()
         token = next_tokens(logits, seen, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
         token = torch.where(ended, torch.full_like(token, pad_id), token)
@@ -88,16 +84,15 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
         logprobs.append(torch.log_softmax(logits / temperature, dim=-1).gather(1, token[:, None]).squeeze(1))
         tokens.append(token)
         ended = ended | (token == eos_id)
-        if bool(ended.all()) or len(tokens) == max_new_tokens:
+        if bool(ended.all()) or len(tokens) == steps:
             break
-        inputs, positions, cache_position = token[:, None], positions[:, -1:] + 1, cache_position[-1:] + 1
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
         if repetition_penalty != 1.0:  # only the penalty reads the tokens so far
             seen = torch.cat([seen, token[:, None]], dim=1)
+        logits = model.step(token)
     actor.train(was_training)
     response_mask = torch.stack(alive, dim=1)
     response = torch.stack(tokens, dim=1)
     return Rollout(sequences=torch.cat([prompt_ids, response], dim=1),
-                   attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1), prompt_width=width,
+                   attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1), prompt_width=prompt_ids.shape[1],
                    response_mask=response_mask.float(), ended_with_eos=ended,
                    logprobs=torch.stack(logprobs, dim=1) * response_mask)

@@ -42,10 +42,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), stats
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H(π(·|s_t)) per position: logsumexp(z) − Σ softmax(z) z."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(-1)
+def entropy(log_distribution: torch.Tensor) -> torch.Tensor:
+    """H(π(·|s_t)) = −Σ π log π per position, from log π over the vocabulary."""
+    return -(log_distribution.exp() * log_distribution).sum(-1)
 
 
 def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
 from stages.ppo.advantages import gae, masked_mean, masked_whiten
-from stages.ppo.experience import Experience, make_experience, response_logits, token_logprobs, token_values
-from stages.ppo.losses import entropy_from_logits, policy_loss, ptx_loss, value_loss
+from stages.ppo.experience import Experience, log_distribution, make_experience, picked, response_logits, token_values
+from stages.ppo.losses import entropy, policy_loss, ptx_loss, value_loss
 from stages.ppo.rewards import RunningMoments, apply_eos_penalty, reparameterise_scores, token_rewards
 from stages.sft import collate
 
@@ -174,10 +174,12 @@ class PPOTrainer:
                 if self.train_actor:
                     with autocast(self.dist.device, ppo.autocast):
                         logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                    logprobs = token_logprobs(logits, mb.sequences[:, mb.prompt_width :], temperature)
+                    log_pi = log_distribution(logits, temperature)
+                    logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
                     pg_loss, pg_stats = policy_loss(logprobs, mb.logprobs, advantages, mask, ppo.clip_eps)
-                    entropy = masked_mean(entropy_from_logits(logits.float() / temperature), mask)
-                    actor_loss = pg_loss - ppo.entropy_coef * entropy
+                    with torch.set_grad_enabled(ppo.entropy_coef != 0):  # else only a statistic: no backward
+                        policy_entropy = masked_mean(entropy(log_pi), mask)
+                    actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
                     ptx = torch.zeros(())
                     if sw["ptx"] and self.ptx_examples:
                         with autocast(self.dist.device, ppo.autocast):
@@ -185,7 +187,7 @@ class PPOTrainer:
                         actor_loss = actor_loss + ppo.ptx_coef * ptx
                     step_stats.update({
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
-                        "policy/entropy_avg": entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
+                        "policy/entropy_avg": policy_entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
                         "val/ratio": pg_stats["ratio"], "val/ratio_var": pg_stats["ratio_var"],
                     })
                 # Both losses are checked before either backward, alike on every rank: a skipped
