@@ -19,6 +19,12 @@ def small_llama(**extra) -> LlamaForCausalLM:
                                         num_attention_heads=4, num_key_value_heads=2, **extra))
 
 
+def greedy_one_minibatch_trainer(tiny, *overrides: str):  # noqa: F811
+    """A PPO trainer on the tiny model: one minibatch of 8 rollouts, 8 greedy new tokens."""
+    return make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
+                        "ppo.generation.max_new_tokens=8", *overrides)
+
+
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(3, 97, (4, 11))
     mask = torch.ones_like(ids)
@@ -128,8 +134,7 @@ def test_values_from_the_training_forward_give_the_same_update(tiny):  # noqa: F
     its own in the rollout: the same losses and the same weights after the step."""
     results = []
     for in_training in (True, False):
-        trainer = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1",
-                               "ppo.generation.do_sample=false", "ppo.generation.max_new_tokens=8")
+        trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
         assert trainer.values_in_training
         trainer.values_in_training = in_training
         metrics = trainer.step()
@@ -166,9 +171,7 @@ def test_inverse_cdf_sampling_draws_from_the_distribution():
 def test_bf16_autocast_trains_with_finite_numbers_close_to_fp32(tiny):  # noqa: F811
     results = {}
     for precision in ("none", "bf16"):
-        trainer = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
-                               "ppo.generation.do_sample=false", "ppo.generation.max_new_tokens=8",
-                               f"ppo.autocast={precision}")
+        trainer = greedy_one_minibatch_trainer(tiny, f"ppo.autocast={precision}")
         results[precision] = trainer.step()
         assert all(torch.isfinite(p).all() for p in trainer.actor.module.parameters())
     for name in ("objective/kl", "loss/value_avg", "objective/scores"):
@@ -179,9 +182,7 @@ def test_the_entropy_bonus_reaches_the_actor_only_when_its_coefficient_is_set(ti
     """Without a bonus the entropy is a statistic computed without a graph; with one it moves the actor."""
     runs = {}
     for coef in ("0.0", "0.5"):
-        trainer = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
-                               "ppo.generation.do_sample=false", "ppo.generation.max_new_tokens=8",
-                               f"ppo.entropy_coef={coef}")
+        trainer = greedy_one_minibatch_trainer(tiny, f"ppo.entropy_coef={coef}")
         metrics = trainer.step()
         runs[coef] = (metrics, [p.detach().clone() for p in trainer.actor.module.parameters()])
     (plain, plain_actor), (bonus, bonus_actor) = runs["0.0"], runs["0.5"]
