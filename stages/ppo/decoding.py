@@ -20,14 +20,13 @@ import torch.nn.functional as F
 from transformers import StaticCache
 from transformers.models.llama.modeling_llama import rotate_half
 
-from stages.unpadded import last_hidden_state, position_ids, rms_norm, unpadded_ok
+from stages.unpadded import last_hidden_state, partitioned, position_ids, rms_norm, unpadded_ok
 
 
 def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
     """Our Llama decode step where it applies, else transformers' forward. Not under ZeRO-3, whose
     parameters exist only inside their module's own forward."""
-    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    if unpadded_ok(model.base_model) and not partitioned:
+    if unpadded_ok(model.base_model) and not any(partitioned(p) for p in model.parameters()):
         return LlamaDecoder(model, prompt_ids, prompt_mask, max_new_tokens)
     return CachedDecoder(model, prompt_ids, prompt_mask, max_new_tokens)
 
