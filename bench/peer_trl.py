@@ -6,7 +6,9 @@ environment sees torch and transformers of `.venv` through a .pth file, so both 
 builds of the same libraries; only trl and its own extra dependencies (datasets) go into it.
 
 Settings, equal on both sides: the demo preset's model (SmolLM2-135M-Instruct, fp32), the same
-prompt token ids (the demo's ppo_prompts, cut to `--prompt-length` tokens), batch `--batch-size`,
+prompt token ids (the demo's ppo_prompts, cut to `--prompt-length` tokens) in the same order, so
+iteration k of both sides rolls out on the same prompts (TRL reads them in the order our trainer's
+seeded shuffle draws them: the prompt tokens per iteration, printed, are equal), batch `--batch-size`,
 one PPO epoch on one minibatch, `--response-length` new tokens at temperature 0.7 (TRL's default),
 no top-p/top-k, stop at EOS; reward model and critic are the base model with the same seeded scalar
 head; β = 0.05 (k1), whitened advantages, value clipping 0.2, one gradient clip over policy and
@@ -18,7 +20,7 @@ no EOS penalty (TRL's defaults have neither). pad = `<|endoftext|>` ≠ EOS on b
 Each side runs `--warmup` + `--iterations` iterations in a fresh process; the warm-up ones are
 left out. Rounds alternate the order (TRL first, then ours first, ...), so slow drift of the
 machine hits both. Printed per side: s/iteration, episodes/s, response tokens/s (tokens up to and
-including EOS), peak RSS of the process, then ours / TRL.
+including EOS), prompt and response tokens per iteration, peak RSS of the process, then ours / TRL.
 
     .venv/bin/python bench/peer_trl.py                      # 2 rounds × 3 measured iterations: ~15 min on 2 cores
     .venv/bin/python bench/peer_trl.py --rounds 1 --iterations 2
@@ -30,6 +32,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -70,6 +73,7 @@ def run_trl(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     import trl.experimental.ppo.ppo_trainer as trl_ppo
     from datasets import Dataset
+    from torch.utils.data import DataLoader
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -92,7 +96,7 @@ def run_trl(spec: dict) -> dict:
     for model in (policy, reference):
         model.config.pad_token_id = model.generation_config.pad_token_id = spec["pad_id"]
     batch, total = spec["batch_size"], spec["warmup"] + spec["iterations"]
-    dataset = Dataset.from_dict({"input_ids": spec["prompts"]})
+    dataset = Dataset.from_dict({"input_ids": spec["trl_prompts"]})
     args = PPOConfig(
         output_dir=spec["output_dir"], per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         num_mini_batches=1, num_ppo_epochs=1, local_rollout_forward_batch_size=batch, total_episodes=batch * total,
@@ -102,14 +106,21 @@ def run_trl(spec: dict) -> dict:
         bf16=spec["bf16"],
     )
     response_tokens: list[int] = []
+    prompt_tokens: list[int] = []
     original_get_reward = trl_ppo.get_reward
 
     def counting_get_reward(model, query_responses, pad_token_id, context_length):
         if model is reward_model:  # scored responses are cut after EOS: count up to and including it
             response_tokens.append(int((query_responses[:, context_length:] != pad_token_id).sum()))
+            prompt_tokens.append(int((query_responses[:, :context_length] != pad_token_id).sum()))
         return original_get_reward(model, query_responses, pad_token_id, context_length)
 
     trl_ppo.get_reward = counting_get_reward  # instrumentation only: counts, then calls TRL's own
+
+    def in_order(*args, **kwargs):  # the prompts come in the order our trainer draws them: keep it
+        return DataLoader(*args, **{**kwargs, "shuffle": False})
+
+    trl_ppo.DataLoader = in_order
     ends: list[float] = []
 
     class Clock(TrainerCallback):
@@ -123,8 +134,9 @@ def run_trl(spec: dict) -> dict:
     trainer.train()
     stamps = [started, *ends]
     seconds = [b - a for a, b in zip(stamps, stamps[1:])][spec["warmup"] :]
-    tokens = response_tokens[spec["warmup"] : spec["warmup"] + len(seconds)]
-    return summary("TRL", seconds, tokens, batch, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    measured = slice(spec["warmup"], spec["warmup"] + len(seconds))
+    return summary("TRL", seconds, response_tokens[measured], prompt_tokens[measured], batch,
+                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 # -- our side ----------------------------------------------------------------------------------
@@ -152,20 +164,25 @@ def run_ours(spec: dict) -> dict:
     import resource
 
     trainer = our_trainer(spec)
-    seconds, tokens = [], []
+    seconds, tokens, prompt_tokens = [], [], []
     for _ in range(spec["warmup"] + spec["iterations"]):
         started = time.perf_counter()
-        metrics = trainer.step()
+        trainer.step()
         seconds.append(time.perf_counter() - started)
-        tokens.append(int(trainer.last_experience.response_mask.sum()))
-    return summary("ours", seconds[spec["warmup"] :], tokens[spec["warmup"] :], spec["batch_size"],
+        exp = trainer.last_experience
+        tokens.append(int(exp.response_mask.sum()))
+        prompt_tokens.append(int(exp.attention_mask[:, : exp.prompt_width].sum()))
+    measured = slice(spec["warmup"], None)
+    return summary("ours", seconds[measured], tokens[measured], prompt_tokens[measured], spec["batch_size"],
                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def summary(side: str, seconds: list[float], tokens: list[int], batch: int, peak_rss_mib: float) -> dict:
+def summary(side: str, seconds: list[float], tokens: list[int], prompt_tokens: list[int], batch: int,
+            peak_rss_mib: float) -> dict:
     total = sum(seconds)
     return {"side": side, "iteration_s": total / len(seconds), "episodes_per_s": batch * len(seconds) / total,
             "tokens_per_s": sum(tokens) / total, "response_tokens": sum(tokens) / len(seconds),
+            "prompt_tokens": sum(prompt_tokens) / len(seconds),
             "peak_rss_mib": peak_rss_mib, "iterations": len(seconds)}
 
 
@@ -194,6 +211,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     from stages import sources
     from stages.data import SPLITS, load_pairs, make_splits
     from stages.ppo.stage import encode_prompts
+    from stages.ppo.trainer import shuffled_order
     from stages.reward.model import reward_model_from_lm, save_reward_model
 
     cfg = ours_config(args)
@@ -206,9 +224,15 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     torch.manual_seed(cfg.ppo.seed)  # one seeded scalar head for both sides' reward model and critic
     save_reward_model(reward_model_from_lm(model_dir, cfg.model), tokenizer, reward_dir,
                       {"role": "benchmark: base model with an untrained head"})
+    prompts = encode_prompts(tokenizer, splits["ppo_prompts"], args.prompt_length)
+    needed = args.batch_size * (args.warmup + args.iterations)
+    if needed > len(prompts):
+        sys.exit(f"{needed} prompts needed, the preset has {len(prompts)} ppo_prompts")
+    # Both sides get the same prompts in each iteration: TRL's side reads them in our trainer's order.
+    in_our_order = [prompts[i] for i in shuffled_order(len(prompts), random.Random(cfg.ppo.seed))[:needed]]
     common = {"batch_size": args.batch_size, "response_length": args.response_length, "threads": args.threads,
               "warmup": args.warmup, "iterations": args.iterations, "seed": cfg.ppo.seed,
-              "prompts": encode_prompts(tokenizer, splits["ppo_prompts"], args.prompt_length),
+              "prompts": prompts, "trl_prompts": in_our_order,
               "pad_id": tokenizer.pad_token_id, "model_name": cfg.model.name_or_path, "config": cfg.model_dump(mode="json"),
               "bf16": args.bf16}
     return common, model_dir, reward_dir
@@ -267,7 +291,7 @@ def main() -> None:
                 results[side].append(result)
                 print(f"  round {round_ + 1} {side:<5} {result['iteration_s']:6.2f} s/iteration  "
                       f"{result['episodes_per_s']:.3f} episodes/s  {result['tokens_per_s']:5.1f} tokens/s  "
-                      f"{result['response_tokens']:.0f} response tokens/iteration  peak RSS {result['peak_rss_mib']:.0f} MiB",
+                      f"{result['prompt_tokens']:.0f} prompt + {result['response_tokens']:.0f} response tokens/iteration  peak RSS {result['peak_rss_mib']:.0f} MiB",
                       flush=True)
     table = {}
     for side, rows in results.items():

@@ -35,13 +35,15 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_the_padding_free_forward_gives_the_models_own_hidden_states_and_gradients():
+@pytest.mark.parametrize("from_position", [0, 4, 10])  # 10: a row whose kept positions are all padding
+def test_the_padding_free_forward_gives_the_models_own_hidden_states_and_gradients(from_position):
     model = small_llama()
     ids, mask = padded_batch()
-    real = mask.bool()[..., None]
+    real = mask.bool()[:, from_position:, None]
     own = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                           use_cache=False).last_hidden_state
-    ours = last_hidden_state(model.base_model, ids, mask)
+                           use_cache=False).last_hidden_state[:, from_position:]
+    ours = last_hidden_state(model.base_model, ids, mask, from_position=from_position)
+    assert ours.shape == own.shape
     assert torch.allclose(own * real, ours, atol=1e-5)
     assert ours.masked_select(~real).abs().max() == 0
     weights = torch.randn_like(own) * real

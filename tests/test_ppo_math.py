@@ -153,3 +153,24 @@ def test_whitening_and_entropy():
     assert entropy(uniform).item() == pytest.approx(math.log(4))
     peaked = torch.log_softmax(torch.tensor([[[0.0, 0.0, 50.0]]]), dim=-1)
     assert entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clips; does not clip
+def test_the_joint_clip_gives_torchs_clipped_gradients_over_both_engines(max_norm):
+    from stages.launch import PlainEngine, clip_grad_norm
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
+    twins = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
+    for model, twin in zip(models, twins):
+        twin.load_state_dict(model.state_dict())
+    x = torch.randn(5, 4)
+    for pair in (models, twins):
+        pair[1](pair[0](x)).square().sum().backward()
+    engines = [PlainEngine(m, None, None, grad_accum_steps=1, max_grad_norm=math.inf) for m in models]
+    norm = clip_grad_norm(engines, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_([p for m in twins for p in m.parameters()], max_norm)
+    assert norm == pytest.approx(float(expected))
+    assert (norm > max_norm) == (max_norm == 0.5)
+    for ours, theirs in zip((p for m in models for p in m.parameters()), (p for m in twins for p in m.parameters())):
+        assert torch.equal(ours.grad, theirs.grad)

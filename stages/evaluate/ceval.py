@@ -167,7 +167,7 @@ def answer_logprobs(model, prompts: list[list[int]], choice_ids: list[int], pad_
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         ids, mask = left_pad([prompts[i] for i in rows], pad_id, model.device)
-        hidden = last_hidden_state(model.base_model, ids, mask)
+        hidden = last_hidden_state(model.base_model, ids, mask, from_position=ids.shape[1] - 1)
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
         out[rows] = torch.log_softmax(logits, dim=-1)[:, choice_ids].cpu()
     model.train(was_training)

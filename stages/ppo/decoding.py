@@ -75,7 +75,8 @@ class LlamaDecoder:
 
     def prefill(self) -> torch.Tensor:
         keys_values: list = []
-        hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values)
+        hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values,
+                                   from_position=self.filled - 1)  # prompts are left-padded: all end at P − 1
         for layer, (k, v) in enumerate(keys_values):
             self.keys[layer, :, :, : self.filled] = k
             self.values[layer, :, :, : self.filled] = v

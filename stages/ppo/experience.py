@@ -43,9 +43,10 @@ class Experience:
 
 
 def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
-    """Logits predicting each response token: the LM head runs on response positions only."""
-    hidden = last_hidden_state(model.base_model, sequences, attention_mask)
-    return model.get_output_embeddings()(hidden[:, prompt_width - 1 : -1])
+    """Logits predicting each response token: the last layer and the LM head run on response
+    positions only (position P − 1 predicts the first response token)."""
+    hidden = last_hidden_state(model.base_model, sequences, attention_mask, from_position=prompt_width - 1)
+    return model.get_output_embeddings()(hidden[:, :-1])
 
 
 def log_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -64,9 +65,9 @@ def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """V(s_j) for every response token: the reward model's scalar head applied per token."""
-    hidden = last_hidden_state(critic.lm.base_model, sequences, attention_mask)
+    hidden = last_hidden_state(critic.lm.base_model, sequences, attention_mask, from_position=prompt_width - 1)
     head = critic.score_head
-    return head(hidden[:, prompt_width - 1 : -1].to(head.weight.dtype)).squeeze(-1).float()
+    return head(hidden[:, :-1].to(head.weight.dtype)).squeeze(-1).float()
 
 
 @torch.no_grad()

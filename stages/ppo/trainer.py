@@ -20,6 +20,14 @@ from stages.ppo.rewards import RunningMoments, apply_eos_penalty, reparameterise
 from stages.sft import collate
 
 
+def shuffled_order(count: int, rng: random.Random) -> list[int]:
+    """The order of one pass over `count` prompts. A trainer's first pass is
+    `shuffled_order(len(prompts), random.Random(ppo.seed))`."""
+    order = list(range(count))
+    rng.shuffle(order)
+    return order
+
+
 def warmup_schedule(optimizer, warmup_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
@@ -58,9 +66,7 @@ class PPOTrainer:
 
     # -- prompts ------------------------------------------------------------------------------
     def _shuffled(self) -> list[int]:
-        order = list(range(len(self.prompts)))
-        self.rng.shuffle(order)
-        return order
+        return shuffled_order(len(self.prompts), self.rng)
 
     def next_prompts(self) -> list[list[int]]:
         """This rank's prompts of the next iteration; a new seeded shuffle at each epoch end."""

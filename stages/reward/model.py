@@ -40,9 +40,12 @@ class RewardModel(torch.nn.Module):
         """(reward of each row, LM logits of the first `lm_rows` rows)."""
         # Positions count real tokens only, so a left-padded row sees the positions of its
         # right-padded twin (absolute position embeddings included); pads cost no linear layer.
-        hidden = last_hidden_state(self.lm.base_model, input_ids, attention_mask)
+        last_index = last_token_index(attention_mask)
+        # Without LM rows only the last tokens are read: the last layer skips positions before them.
+        first = 0 if lm_rows else int(last_index.min())
+        hidden = last_hidden_state(self.lm.base_model, input_ids, attention_mask, from_position=first)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        last = hidden[rows, last_token_index(attention_mask)]
+        last = hidden[rows, last_index - first]
         rewards = self.score_head(last.to(self.score_head.weight.dtype)).squeeze(-1).float()
         lm_logits = self.lm.get_output_embeddings()(hidden[:lm_rows])
         return rewards, lm_logits
