@@ -8,8 +8,8 @@ import torch
 from test_ppo_train import make_trainer, tiny  # noqa: F401  (the module's tiny model and prompts)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.ppo.experience import response_logits, token_logprobs
-from stages.ppo.generation import generate
+from stages.ppo.experience import response_logits
+from stages.ppo.generation import generate, token_logprobs
 from stages.unpadded import last_hidden_state, position_ids
 
 

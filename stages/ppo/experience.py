@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.launch import autocast
-from stages.ppo.generation import generate
+from stages.ppo.generation import generate, token_logprobs
 from stages.reward.model import RewardModel
 from stages.unpadded import last_hidden_state
 
@@ -47,20 +47,6 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     positions only (position P − 1 predicts the first response token)."""
     hidden = last_hidden_state(model.base_model, sequences, attention_mask, from_position=prompt_width - 1)
     return model.get_output_embeddings()(hidden[:, :-1])
-
-
-def log_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(· | s_j) over the vocabulary under the sampling distribution (logits / temperature)."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(a_j | s_j) under the sampling distribution."""
-    return picked(log_distribution(logits, temperature), tokens)
-
-
-def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return log_distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:

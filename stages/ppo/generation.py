@@ -8,7 +8,7 @@ steps come from `stages.ppo.decoding`.
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The recorded log-probability is under logits / temperature alone, the distribution
-PPO's ratio is taken under (`token_logprobs` on a full forward gives the same numbers).
+PPO's ratio is taken under (`token_logprobs`: the reference and training forwards take log π the same way).
 """
 
 from __future__ import annotations
@@ -39,12 +39,27 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.
     return ids.to(device), mask.to(device)
 
 
+def log_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(· | s_j) over the vocabulary under the sampling distribution (logits / temperature)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(a_j | s_j) under the sampling distribution."""
+    return picked(log_distribution(logits, temperature), tokens)
+
+
+def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return log_distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def next_tokens(logits: torch.Tensor, seen: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
                 repetition_penalty: float, do_sample: bool) -> torch.Tensor:
     """One token per row from [B, vocab] logits; `seen` [B, T] are the tokens so far (penalised)."""
     if repetition_penalty != 1.0:  # CTRL's penalty, as transformers' RepetitionPenaltyLogitsProcessor
-        picked = logits.gather(1, seen)
-        logits = logits.scatter(1, seen, torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty))
+        seen_logits = logits.gather(1, seen)
+        logits = logits.scatter(1, seen, torch.where(seen_logits > 0, seen_logits / repetition_penalty,
+                                                     seen_logits * repetition_penalty))
     if not do_sample:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -81,7 +96,7 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
         token = torch.where(ended, torch.full_like(token, pad_id), token)
         alive.append(~ended)
-        logprobs.append(torch.log_softmax(logits / temperature, dim=-1).gather(1, token[:, None]).squeeze(1))
+        logprobs.append(token_logprobs(logits, token, temperature))
         tokens.append(token)
         ended = ended | (token == eos_id)
         if bool(ended.all()) or len(tokens) == steps:

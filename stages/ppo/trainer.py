@@ -14,7 +14,8 @@ from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
 from stages.ppo.advantages import gae, masked_mean, masked_whiten
-from stages.ppo.experience import Experience, log_distribution, make_experience, picked, response_logits, token_values
+from stages.ppo.experience import Experience, make_experience, response_logits, token_values
+from stages.ppo.generation import log_distribution, picked
 from stages.ppo.losses import entropy, policy_loss, ptx_loss, value_loss
 from stages.ppo.rewards import RunningMoments, apply_eos_penalty, reparameterise_scores, token_rewards
 from stages.sft import collate
