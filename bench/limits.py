@@ -6,7 +6,9 @@
    model's shapes and the real tokens of each rollout (no padding counted: padded work is waste,
    not useful FLOPs), divided by the phase's wall time, as a share of the matmul peak: MFU.
    - training: actor and critic forward + backward (3 × forward FLOPs) over prompt + response,
-     the actor's LM head on response positions only;
+     the actor's LM head on response positions only; where the trainer keeps the prefill's graph
+     (one epoch of one minibatch), the actor's forward over the prompts is the prefill, counted
+     in generation;
    - generation: prefill over the prompts and one position per row and step, LM head on one
      position per row and step. Decoding one token reads every weight once, so generation is
      bound by memory, not FLOPs: its bandwidth utilisation (weights read per step / step time /
@@ -104,7 +106,8 @@ def main() -> None:
             critic_forwards = 1 if "time/values" in metrics else 0  # 0: V_old comes from the training forward
             totals["experience"][0] += (2 + critic_forwards) * shapes.body(full) + shapes.head(sum(response))  # π_SFT, RM
             totals["experience"][1] += sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))
-            totals["train"][0] += 3 * (shapes.body(full) + shapes.head(sum(response)) + shapes.body(full))  # actor, critic
+            prefill = shapes.body(prompt) if trainer.prompt_pass_in_training else 0.0  # already run, with its graph
+            totals["train"][0] += 3 * (shapes.body(full) + shapes.head(sum(response)) + shapes.body(full)) - prefill
             totals["train"][1] += metrics["time/train"]
             # Decode time = generation − a prefill alone (one new token) on the same prompts.
             prompts = [row[mask.bool()].tolist() for row, mask in zip(exp.sequences[:, : exp.prompt_width],

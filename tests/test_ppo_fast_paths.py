@@ -54,6 +54,34 @@ def test_the_padding_free_forward_gives_the_models_own_hidden_states_and_gradien
         assert torch.allclose(own_grad, our_grad, atol=1e-5, rtol=1e-4)
 
 
+def test_a_prefix_of_keys_and_values_with_its_graph_stands_in_for_the_prompt_positions():
+    """The PPO actor's training forward over the response positions only, on the prefill's graph:
+    the same hidden states and the same gradients as the forward over all positions."""
+    model = small_llama()
+    ids, mask = padded_batch()
+    mask[:, 5] = 1  # prompts end at position 5, as left-padded prompts do
+    start = 6
+    real = mask.bool()[:, start:, None]
+    whole = last_hidden_state(model.base_model, ids, mask, from_position=start)
+    prefix: list = []
+    last_prompt = last_hidden_state(model.base_model, ids[:, :start], mask[:, :start], keys_values=prefix,
+                                    from_position=start - 1)
+    rest = last_hidden_state(model.base_model, ids, mask, from_position=start, prefix=prefix)
+    assert rest.shape == whole.shape
+    assert torch.allclose(whole, rest, atol=1e-5)
+    assert rest.masked_select(~real).abs().max() == 0
+    before = last_hidden_state(model.base_model, ids, mask, from_position=start - 1)[:, :1]
+    assert torch.allclose(before, last_prompt, atol=1e-5)
+    weights = torch.randn_like(whole) * real
+    parameters = list(model.base_model.parameters())
+    whole_grads = torch.autograd.grad((whole * weights).sum() + before.sum(), parameters)
+    rest_grads = torch.autograd.grad((rest * weights).sum() + last_prompt.sum(), parameters)
+    for whole_grad, rest_grad in zip(whole_grads, rest_grads):
+        assert torch.allclose(whole_grad, rest_grad, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="inside the 6 prefix positions"):
+        last_hidden_state(model.base_model, ids, mask, from_position=start - 1, prefix=prefix)
+
+
 def test_other_architectures_take_their_own_forward():
     model = small_llama()
     model.config.model_type = "not-llama"  # e.g. a model whose layers this module does not know
@@ -93,7 +121,7 @@ def test_our_llama_decode_steps_give_transformers_logits(extra):
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]], pad_id=0, device="cpu")
     ours, theirs = LlamaDecoder(model, ids, mask, 6), CachedDecoder(model, ids, mask, 6)
     assert isinstance(decoder(model, ids, mask, 6), LlamaDecoder)
-    a, b = ours.prefill(), theirs.prefill()
+    (a, _), (b, _) = ours.prefill(), theirs.prefill()
     assert torch.allclose(a, b, atol=1e-4) and a.std() > 0.3
     for tokens in ([20, 21, 22], [2, 30, 31], [40, 41, 42], [50, 51, 52], [60, 61, 62]):
         token = torch.tensor(tokens)
@@ -151,6 +179,29 @@ def test_values_from_the_training_forward_give_the_same_update(tiny):  # noqa: F
     step = trainer.ppo.actor_lr
     assert step == trainer.ppo.critic_lr
     for a, b in zip(critic_a + actor_a, critic_b + actor_b):
+        assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
+
+
+def test_the_prefills_graph_in_the_actors_training_forward_gives_the_same_update(tiny):  # noqa: F811
+    """One epoch, one minibatch: the actor's training forward runs the response positions only, on
+    the graph its rollout's prefill kept, or runs the whole sequences: the same update."""
+    trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
+    assert trainer.prompt_pass_in_training
+    exp, _, _ = trainer.rollout(trainer.next_prompts(), with_values=False, keep_prompt_graph=True)
+    assert exp.prompt_pass.last_hidden.requires_grad and len(exp.prompt_pass.keys_values) == 2
+    assert exp.rows(torch.arange(2)).prompt_pass is None
+    results = []
+    for reuse in (True, False):
+        trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
+        trainer.prompt_pass_in_training = reuse
+        metrics = trainer.step()
+        assert trainer.last_experience.prompt_pass is None  # freed with its graph
+        results.append((metrics, [p.detach().clone() for p in trainer.actor.module.parameters()]))
+    (reused, actor_a), (plain, actor_b) = results
+    for name in ("loss/policy_avg", "policy/approxkl_avg", "policy/entropy_avg", "policy/grad_norm"):
+        assert reused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
+    step = trainer.ppo.actor_lr  # 1 % of an Adam step: the same update (see the test above)
+    for a, b in zip(actor_a, actor_b):
         assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
 
 

@@ -1,5 +1,5 @@
-"""Decoders for the sampling loop: `prefill()` gives the logits after each prompt, then `step(token)`
-feeds one token per row and gives the next logits, both [B, vocab].
+"""Decoders for the sampling loop: `prefill()` gives the logits after each prompt (and, if asked, the
+prefill's graph), then `step(token)` feeds one token per row and gives the next logits, both [B, vocab].
 
 `CachedDecoder` is transformers' own forward over a preallocated KV cache: any causal LM.
 
@@ -10,10 +10,14 @@ of the step spent between them (attention kernel set-up, masks, cache bookkeepin
 - the prompt goes through the padding-free body (`stages.unpadded`), which hands over its keys and values;
 - q|k|v and gate|up are one matrix product each;
 - on CPU the weights are packed once per rollout for the batch size (MKL's packed GEMM);
-- attention reads the filled part of the cache only.
+- attention reads the filled part of the cache only;
+- the prefill can keep its autograd graph (`PromptPass`): with one PPO epoch of one minibatch the
+  actor's training forward is the rollout's actor, so its prompt part is this very prefill.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +25,15 @@ from transformers import StaticCache
 from transformers.models.llama.modeling_llama import rotate_half
 
 from stages.unpadded import last_hidden_state, partitioned, position_ids, rms_norm, unpadded_ok
+
+
+@dataclass
+class PromptPass:
+    """The actor's prefill with its autograd graph: the prompt's keys and values of every layer
+    (after RoPE, [B, kv_heads, P, head_dim]) and the final hidden state at P − 1, which predicts
+    the first response token."""
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]
+    last_hidden: torch.Tensor  # [B, hidden]
 
 
 def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
@@ -46,8 +59,8 @@ class CachedDecoder:
                           past_key_values=self.cache, cache_position=self.cache_position, use_cache=True,
                           logits_to_keep=1).logits[:, -1]
 
-    def prefill(self) -> torch.Tensor:
-        return self._logits(self.prompt_ids)
+    def prefill(self, keep_graph: bool = False) -> tuple[torch.Tensor, PromptPass | None]:
+        return self._logits(self.prompt_ids), None  # transformers' forward: no graph kept
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         self.positions, self.cache_position = self.positions[:, -1:] + 1, self.cache_position[-1:] + 1
@@ -73,14 +86,16 @@ class LlamaDecoder:
         self.positions = position_ids(prompt_mask)[:, -1:]
         self.filled = width
 
-    def prefill(self) -> torch.Tensor:
+    def prefill(self, keep_graph: bool = False) -> tuple[torch.Tensor, PromptPass | None]:
+        """The logits after each prompt, and with keep_graph the prefill's `PromptPass`."""
         keys_values: list = []
-        hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values,
-                                   from_position=self.filled - 1)  # prompts are left-padded: all end at P − 1
+        with torch.set_grad_enabled(keep_graph):
+            hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values,
+                                       from_position=self.filled - 1)[:, -1]  # left-padded prompts all end at P − 1
         for layer, (k, v) in enumerate(keys_values):
-            self.keys[layer, :, :, : self.filled] = k
-            self.values[layer, :, :, : self.filled] = v
-        return self.lm_head(hidden[:, -1])
+            self.keys[layer, :, :, : self.filled] = k.detach()
+            self.values[layer, :, :, : self.filled] = v.detach()
+        return self.lm_head(hidden.detach()), PromptPass(keys_values, hidden) if keep_graph else None
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         x = self.base.embed_tokens(token)  # [B, hidden]

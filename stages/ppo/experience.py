@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from stages.launch import autocast
+from stages.ppo.decoding import PromptPass
 from stages.ppo.generation import generate, token_logprobs
 from stages.reward.model import RewardModel
-from stages.unpadded import last_hidden_state
+from stages.unpadded import last_hidden_state, unpadded_ok
 
 
 @dataclass
@@ -35,18 +36,28 @@ class Experience:
     returns: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     seconds: dict[str, float] | None = None  # wall time of each rollout phase, for time/* metrics and bench/
+    prompt_pass: PromptPass | None = None  # the actor's prefill with its graph, for a training forward of the same weights
 
     def rows(self, index: torch.Tensor) -> "Experience":
-        """A minibatch: the same fields for a subset of rows."""
+        """A minibatch: the same fields for a subset of rows (the prompt pass is of all rows: dropped)."""
         picked = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return Experience(**picked)
+        return Experience(**{**picked, "prompt_pass": None})
 
 
-def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                    prompt_pass: PromptPass | None = None) -> torch.Tensor:
     """Logits predicting each response token: the last layer and the LM head run on response
-    positions only (position P − 1 predicts the first response token)."""
-    hidden = last_hidden_state(model.base_model, sequences, attention_mask, from_position=prompt_width - 1)
-    return model.get_output_embeddings()(hidden[:, :-1])
+    positions only (position P − 1 predicts the first response token). With the prompt pass of
+    these weights, the prompt's positions are not run again: its keys and values, and its hidden
+    state at P − 1, come with their graph from the prefill."""
+    base = model.base_model
+    if prompt_pass is None or not unpadded_ok(base):  # (dropout in training: the prefill had none)
+        hidden = last_hidden_state(base, sequences, attention_mask, from_position=prompt_width - 1)[:, :-1]
+    else:
+        response = last_hidden_state(base, sequences, attention_mask, from_position=prompt_width,
+                                     prefix=prompt_pass.keys_values)
+        hidden = torch.cat([prompt_pass.last_hidden[:, None], response[:, :-1]], dim=1)
+    return model.get_output_embeddings()(hidden)
 
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
@@ -58,13 +69,15 @@ def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: t
 
 @torch.no_grad()
 def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: list[list[int]], *, eos_id: int,
-                    pad_id: int, generation: dict, with_values: bool = True, mixed_precision: str = "none",
-                    device: str = "cpu") -> Experience:
+                    pad_id: int, generation: dict, with_values: bool = True, keep_prompt_graph: bool = False,
+                    mixed_precision: str = "none", device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
     `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores.
-    with_values=False leaves V_old to the training step, which computes it in its own forward."""
+    with_values=False leaves V_old to the training step, which computes it in its own forward;
+    keep_prompt_graph keeps the actor's prefill with its graph for that step (`Experience.prompt_pass`)."""
     lap = Laps(device)
-    rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device, **generation)
+    rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device,
+                       keep_prompt_graph=keep_prompt_graph, **generation)
     lap("generate")  # log π_old comes with the samples: no second forward of the actor
     sequences, attention_mask, width = rollout.sequences, rollout.attention_mask, rollout.prompt_width
     response_mask = rollout.response_mask
@@ -79,7 +92,7 @@ def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: li
         scores = score_fn(sequences, attention_mask, width, response_mask).float()
         lap("scores")
     return Experience(sequences, attention_mask, width, response_mask, rollout.ended_with_eos, rollout.logprobs,
-                      ref_logprobs * response_mask, values, scores, seconds=lap.seconds)
+                      ref_logprobs * response_mask, values, scores, seconds=lap.seconds, prompt_pass=rollout.prompt_pass)
 
 
 class Laps:

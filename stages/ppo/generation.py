@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from stages.ppo.decoding import decoder
+from stages.ppo.decoding import PromptPass, decoder
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Rollout:
     response_mask: torch.Tensor  # [B, R] float, 1 up to and including EOS
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # [B, R] log π(a_j | s_j) under logits / temperature, 0 after the end
+    prompt_pass: PromptPass | None = None  # the prefill with its graph (keep_prompt_graph, Llama decoder)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,14 +81,17 @@ def next_tokens(logits: torch.Tensor, seen: torch.Tensor, *, temperature: float,
 
 @torch.no_grad()
 def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
-             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu") -> Rollout:
+             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu",
+             keep_prompt_graph: bool = False) -> Rollout:
+    """keep_prompt_graph: the prefill records its autograd graph, and the rollout carries it
+    (`Rollout.prompt_pass`) for a training forward of the same weights."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
     batch = prompt_ids.shape[0]
     was_training = actor.training
     actor.eval()
     steps = max(max_new_tokens, 1)
     model = decoder(actor, prompt_ids, prompt_mask, steps)
-    logits, seen = model.prefill(), prompt_ids
+    (logits, prompt_pass), seen = model.prefill(keep_prompt_graph), prompt_ids
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens, logprobs, alive = [], [], []
     while True:
@@ -110,4 +114,4 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     return Rollout(sequences=torch.cat([prompt_ids, response], dim=1),
                    attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1), prompt_width=prompt_ids.shape[1],
                    response_mask=response_mask.float(), ended_with_eos=ended,
-                   logprobs=torch.stack(logprobs, dim=1) * response_mask)
+                   logprobs=torch.stack(logprobs, dim=1) * response_mask, prompt_pass=prompt_pass)

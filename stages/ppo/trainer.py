@@ -58,6 +58,9 @@ class PPOTrainer:
         # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
         # value its training forward computes. The rollout then skips the critic's own forward.
         self.values_in_training = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
+        # Likewise the actor is unchanged: the prompt part of its training forward is the rollout's
+        # prefill, kept with its graph. Not under autocast, which the sampling loop does not use.
+        self.prompt_pass_in_training = self.values_in_training and train_actor and ppo.autocast == "none"
         self.critic = engine(critic, ppo.critic_lr)
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
@@ -80,16 +83,18 @@ class PPOTrainer:
         return [self.prompts[i] for i in self.order[start : start + size]]
 
     # -- one iteration ------------------------------------------------------------------------
-    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True,
-                with_values: bool = True) -> tuple[Experience, torch.Tensor, float]:
+    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True, with_values: bool = True,
+                keep_prompt_graph: bool = False) -> tuple[Experience, torch.Tensor, float]:
         """Roll out on `prompts`, shape the rewards and run GAE: (the experience with rewards, KL,
         advantages and returns; the shaped scores; β). Held-out rollouts pass update_moments=False:
         they are judged on the running score statistics without changing them. with_values=False
-        leaves V_old, and so GAE, to the training step (see `values_in_training`)."""
+        leaves V_old, and so GAE, to the training step (see `values_in_training`); keep_prompt_graph
+        keeps the actor's prefill for it (`prompt_pass_in_training`)."""
         ppo, sw = self.ppo, self.switches
         exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, prompts,
                               eos_id=self.eos_id, pad_id=self.pad_id, generation=ppo.generation.model_dump(),
-                              with_values=with_values, mixed_precision=ppo.autocast, device=self.dist.device)
+                              with_values=with_values, keep_prompt_graph=keep_prompt_graph,
+                              mixed_precision=ppo.autocast, device=self.dist.device)
         # Score reparameterisation on running statistics, updated before use (§5.3.1).
         scores = apply_eos_penalty(exp.scores, exp.ended_with_eos, ppo.eos_penalty_score if sw["eos_penalty"] else None)
         if sw["score_mode"] != "none" and update_moments:
@@ -104,7 +109,8 @@ class PPOTrainer:
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
-        exp, shaped, beta = self.rollout(self.next_prompts(), with_values=not self.values_in_training)
+        exp, shaped, beta = self.rollout(self.next_prompts(), with_values=not self.values_in_training,
+                                         keep_prompt_graph=self.prompt_pass_in_training)
         rollout_seconds = time.perf_counter() - started
 
         train_started = time.perf_counter()
@@ -112,6 +118,7 @@ class PPOTrainer:
         finite = self.guard.check({"scores": exp.scores, "rewards": exp.rewards}, f"iteration {self.iteration + 1}",
                                   last=False)
         stats = self.optimise(exp) if finite else {}
+        exp.prompt_pass = None  # its graph is used or, after a skipped update, not needed
         self.iteration += 1
         self.episode += len(exp.scores) * self.dist.world_size
         elapsed = time.perf_counter() - started
@@ -180,7 +187,8 @@ class PPOTrainer:
 
                 if self.train_actor:
                     with autocast(self.dist.device, ppo.autocast):
-                        logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                        logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width,
+                                                 mb.prompt_pass)
                     log_pi = log_distribution(logits, temperature)
                     logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
                     pg_loss, pg_stats = policy_loss(logprobs, mb.logprobs, advantages, mask, ppo.clip_eps)
