@@ -190,7 +190,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(safe_get_full_grad(p).float())
                                                  for params in groups for p in params]))
     coef = max_norm / (float(norm) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-    if coef < 1.0:
+    if not coef >= 1.0:  # a NaN norm clips too, as in torch (and as clip_with_norm)
         for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
             safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
     return float(norm)
