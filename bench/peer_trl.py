@@ -306,6 +306,9 @@ def main() -> None:
     ours, trl = table["ours"], table["TRL"]
     print(f"ours / TRL: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
           f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+    # Each round's pair ran back to back: its ratio shows how much the machine drifted between rounds.
+    paired = [o["episodes_per_s"] / t["episodes_per_s"] for o, t in zip(results["ours"], results["TRL"])]
+    print("episodes/s ×, round by round: " + ", ".join(f"×{ratio:.2f}" for ratio in paired))
 
 
 if __name__ == "__main__":
