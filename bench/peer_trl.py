@@ -17,20 +17,22 @@ no EOS penalty (TRL's defaults have neither). pad = `<|endoftext|>` ≠ EOS on b
 
 `--bf16`: both sides under bf16 autocast (TRL `bf16=True`, ours `ppo.autocast=bf16`), weights fp32.
 
-Each side runs `--warmup` + `--iterations` iterations in a fresh process; the warm-up ones are
-left out. Rounds alternate the order (TRL first, then ours first, ...), so slow drift of the
-machine hits both. Printed per side: s/iteration, episodes/s, response tokens/s (tokens up to and
-including EOS), prompt and response tokens per iteration, peak RSS of the process, then ours / TRL.
+Both sides live in their own process side by side (about 20 GiB together at the defaults) and
+take turns, one iteration at a time: pair k runs TRL's iteration k then ours for even k, ours then
+TRL's for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike.
+The first `--warmup` pairs are left out. Printed: each pair's seconds and TRL / ours; per side
+s/iteration, episodes/s, response tokens/s (tokens up to and including EOS), prompt and response
+tokens per iteration, peak RSS of the process; then ours / TRL over all measured iterations, and the
+median and range of the pairs' ratios.
 
-    .venv/bin/python bench/peer_trl.py                      # 2 rounds × 3 measured iterations: ~15 min on 2 cores
-    .venv/bin/python bench/peer_trl.py --rounds 1 --iterations 2
+    .venv/bin/python bench/peer_trl.py                      # 1 warm-up + 6 measured iterations per side: ~9 min on 2 cores
+    .venv/bin/python bench/peer_trl.py --iterations 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -39,7 +41,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -65,9 +66,7 @@ def trl_python() -> Path:
 
 
 # -- TRL's side (runs in bench/.venv-trl) ------------------------------------------------------
-def run_trl(spec: dict) -> dict:
-    import resource
-
+def run_trl(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -121,22 +120,22 @@ def run_trl(spec: dict) -> dict:
         return DataLoader(*args, **{**kwargs, "shuffle": False})
 
     trl_ppo.DataLoader = in_order
-    ends: list[float] = []
+    state = {"started": 0.0, "done": 0}
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(time.perf_counter())
+    class Turns(TrainerCallback):
+        def on_step_end(self, args, state_, control, **kwargs):
+            report(time.perf_counter() - state["started"], response_tokens[-1], prompt_tokens[-1])
+            state["done"] += 1
+            if state["done"] < total:
+                state["started"] = wait_for_turn()
 
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=reference,
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset,
-                         eval_dataset=dataset, callbacks=[Clock()])
-    started = time.perf_counter()
+                         eval_dataset=dataset, callbacks=[Turns()])
+    print("READY", flush=True)
+    state["started"] = wait_for_turn()
     trainer.train()
-    stamps = [started, *ends]
-    seconds = [b - a for a, b in zip(stamps, stamps[1:])][spec["warmup"] :]
-    measured = slice(spec["warmup"], spec["warmup"] + len(seconds))
-    return summary("TRL", seconds, response_tokens[measured], prompt_tokens[measured], batch,
-                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    finish()
 
 
 # -- our side ----------------------------------------------------------------------------------
@@ -160,30 +159,62 @@ def our_trainer(spec: dict):
                       moments=initial_moments(reward_model))
 
 
-def run_ours(spec: dict) -> dict:
+def run_ours(spec: dict) -> None:
+    trainer = our_trainer(spec)
+    print("READY", flush=True)
+    for _ in range(spec["warmup"] + spec["iterations"]):
+        started = wait_for_turn()
+        trainer.step()
+        seconds = time.perf_counter() - started
+        exp = trainer.last_experience
+        report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()))
+    finish()
+
+
+# -- the worker's side of the turns (both sides) -----------------------------------------------
+def wait_for_turn() -> float:
+    """Block until the parent gives this side its next iteration; the time it starts."""
+    if sys.stdin.readline().strip() != "go":
+        sys.exit("peer_trl worker: the parent ended the run")
+    return time.perf_counter()
+
+
+def report(seconds: float, response_tokens: int, prompt_tokens: int) -> None:
+    print("ITERATION " + json.dumps({"seconds": seconds, "response_tokens": response_tokens,
+                                     "prompt_tokens": prompt_tokens}), flush=True)
+
+
+def finish() -> None:
     import resource
 
-    trainer = our_trainer(spec)
-    seconds, tokens, prompt_tokens = [], [], []
-    for _ in range(spec["warmup"] + spec["iterations"]):
-        started = time.perf_counter()
-        trainer.step()
-        seconds.append(time.perf_counter() - started)
-        exp = trainer.last_experience
-        tokens.append(int(exp.response_mask.sum()))
-        prompt_tokens.append(int(exp.attention_mask[:, : exp.prompt_width].sum()))
-    measured = slice(spec["warmup"], None)
-    return summary("ours", seconds[measured], tokens[measured], prompt_tokens[measured], spec["batch_size"],
-                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print("RESULT " + json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
-def summary(side: str, seconds: list[float], tokens: list[int], prompt_tokens: list[int], batch: int,
-            peak_rss_mib: float) -> dict:
-    total = sum(seconds)
-    return {"side": side, "iteration_s": total / len(seconds), "episodes_per_s": batch * len(seconds) / total,
-            "tokens_per_s": sum(tokens) / total, "response_tokens": sum(tokens) / len(seconds),
-            "prompt_tokens": sum(prompt_tokens) / len(seconds),
-            "peak_rss_mib": peak_rss_mib, "iterations": len(seconds)}
+class Worker:
+    """One side's process: built once, then one iteration per `turn()`; its stderr goes to a file."""
+
+    def __init__(self, side: str, command: list, log: Path):
+        self.side, self.log = side, log
+        with open(log, "w") as stderr:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                            text=True, bufsize=1)
+
+    def expect(self, prefix: str) -> str:
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.process.wait()
+        sys.exit(f"{self.side}'s side failed (exit {self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+
+    def turn(self) -> dict:
+        self.process.stdin.write("go\n")
+        return json.loads(self.expect("ITERATION "))
+
+    def peak_rss_mib(self) -> float:
+        result = json.loads(self.expect("RESULT "))
+        self.process.stdin.close()
+        self.process.wait()
+        return result["peak_rss_mib"]
 
 
 def ours_config(args) -> dict:
@@ -241,7 +272,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
 def arguments(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--iterations", type=int, default=3, help="measured iterations per run (default 3)")
+    parser.add_argument("--iterations", type=int, default=6, help="measured iterations per side (default 6)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations run first and left out (default 1)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=128)
@@ -256,59 +287,64 @@ def arguments(description: str) -> argparse.ArgumentParser:
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds, the order alternating (default 2)")
-    parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["trl", "ours"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "trl":
-        print("RESULT " + json.dumps(run_trl(json.loads(Path(args.spec).read_text()))), flush=True)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        run_trl(spec) if args.worker == "trl" else run_ours(spec)
         return
 
     python = trl_python()
-    results: dict[str, list[dict]] = {"TRL": [], "ours": []}
     with tempfile.TemporaryDirectory() as tmp:
         common, model_dir, reward_dir = prepare(args, Path(tmp))
+        total = args.warmup + args.iterations
         print(f"model {common['model_name']} (fp32 weights{', bf16 autocast' if args.bf16 else ''}, CPU, {args.threads} threads); batch {args.batch_size}, prompts ≤"
               f"{args.prompt_length} tokens (mean {statistics.mean(map(len, common['prompts'])):.0f}), ≤{args.response_length} "
-              f"new tokens; {args.rounds} rounds × ({args.warmup} warm-up + {args.iterations} measured) iterations per side",
-              flush=True)
-        trl_spec = Path(tmp) / "trl.json"
-        trl_spec.write_text(json.dumps({**common, "model_dir": model_dir, "reward_dir": str(reward_dir),
-                                        "output_dir": str(Path(tmp) / "trl-out")}))
-        ours_spec = {**common, "inputs": {"sft_model_dir": model_dir, "reward_model_dir": str(reward_dir)}}
-        for round_ in range(args.rounds):
-            for side in (("TRL", "ours") if round_ % 2 == 0 else ("ours", "TRL")):
-                if side == "TRL":
-                    out = subprocess.run([python, __file__, "--worker", "trl", "--spec", trl_spec],
-                                         capture_output=True, text=True)
-                    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-                    if out.returncode != 0 or not lines:
-                        sys.exit(f"TRL's side failed:\n{out.stderr[-4000:]}")
-                    result = json.loads(lines[-1].removeprefix("RESULT "))
-                else:
-                    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                        result = pool.submit(run_ours, ours_spec).result()
-                results[side].append(result)
-                print(f"  round {round_ + 1} {side:<5} {result['iteration_s']:6.2f} s/iteration  "
-                      f"{result['episodes_per_s']:.3f} episodes/s  {result['tokens_per_s']:5.1f} tokens/s  "
-                      f"{result['prompt_tokens']:.0f} prompt + {result['response_tokens']:.0f} response tokens/iteration  peak RSS {result['peak_rss_mib']:.0f} MiB",
-                      flush=True)
+              f"new tokens; {args.warmup} warm-up + {args.iterations} measured iterations per side, one at a time, "
+              "the sides taking turns", flush=True)
+        specs = {"TRL": {**common, "model_dir": model_dir, "reward_dir": str(reward_dir),
+                         "output_dir": str(Path(tmp) / "trl-out")},
+                 "ours": {**common, "inputs": {"sft_model_dir": model_dir, "reward_model_dir": str(reward_dir)}}}
+        workers = {}
+        for side, spec in specs.items():  # one at a time: loading is not measured, and it peaks memory
+            path = Path(tmp) / f"{side}.json"
+            path.write_text(json.dumps(spec))
+            interpreter = python if side == "TRL" else sys.executable
+            workers[side] = Worker(side, [interpreter, __file__, "--worker", side.lower(), "--spec", path],
+                                   Path(tmp) / f"{side}.log")
+            workers[side].expect("READY")
+        # Pair k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
+        # speed (minutes long on a shared VM) hits both sides of a pair alike.
+        iterations: dict[str, list[dict]] = {"TRL": [], "ours": []}
+        for k in range(total):
+            for side in (("TRL", "ours") if k % 2 == 0 else ("ours", "TRL")):
+                iterations[side].append(workers[side].turn())
+            trl, ours = iterations["TRL"][-1], iterations["ours"][-1]
+            print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: TRL {trl['seconds']:6.2f} s "
+                  f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
+                  f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}", flush=True)
+        peaks = {side: worker.peak_rss_mib() for side, worker in workers.items()}
+
     table = {}
-    for side, rows in results.items():
-        seconds = sum(r["iteration_s"] * r["iterations"] for r in rows)
-        count = sum(r["iterations"] for r in rows)
-        tokens = sum(r["tokens_per_s"] * r["iteration_s"] * r["iterations"] for r in rows)
-        table[side] = {"iteration_s": seconds / count, "episodes_per_s": args.batch_size * count / seconds,
-                       "tokens_per_s": tokens / seconds, "peak_rss_mib": max(r["peak_rss_mib"] for r in rows)}
-    print(f"{'side':<6}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'peak RSS MiB':>14}")
+    for side, rows in iterations.items():
+        measured = rows[args.warmup :]
+        seconds = sum(r["seconds"] for r in measured)
+        table[side] = {"iteration_s": seconds / len(measured), "episodes_per_s": args.batch_size * len(measured) / seconds,
+                       "tokens_per_s": sum(r["response_tokens"] for r in measured) / seconds,
+                       "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in measured),
+                       "response_tokens": statistics.mean(r["response_tokens"] for r in measured),
+                       "peak_rss_mib": peaks[side]}
+    print(f"{'side':<6}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'prompt+response tokens':>24}{'peak RSS MiB':>14}")
     for side, r in table.items():
-        print(f"{side:<6}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{r['peak_rss_mib']:>14.0f}")
+        tokens = f"{r['prompt_tokens']:.0f} + {r['response_tokens']:.0f}"
+        print(f"{side:<6}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{tokens:>24}{r['peak_rss_mib']:>14.0f}")
     ours, trl = table["ours"], table["TRL"]
     print(f"ours / TRL: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
           f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
-    # Each round's pair ran back to back: its ratio shows how much the machine drifted between rounds.
-    paired = [o["episodes_per_s"] / t["episodes_per_s"] for o, t in zip(results["ours"], results["TRL"])]
-    print("episodes/s ×, round by round: " + ", ".join(f"×{ratio:.2f}" for ratio in paired))
+    paired = sorted(t["seconds"] / o["seconds"] for t, o in zip(iterations["TRL"][args.warmup :], iterations["ours"][args.warmup :]))
+    print(f"episodes/s ×, pair by pair: median ×{statistics.median(paired):.2f}, "
+          f"range ×{paired[0]:.2f} … ×{paired[-1]:.2f}")
 
 
 if __name__ == "__main__":
