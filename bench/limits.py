@@ -2,18 +2,12 @@
 
 1. Peak matmul throughput: the best FLOP/s of square fp32 (and bf16) matmuls over a few sizes.
 2. Memory bandwidth: the best bytes/s of copying a 512 MiB tensor (read + write counted).
-3. Our PPO iteration at bench/peer_trl.py's settings: model FLOPs per phase counted from the
-   model's shapes and the real tokens of each rollout (no padding counted: padded work is waste,
-   not useful FLOPs), divided by the phase's wall time, as a share of the matmul peak: MFU.
-   - training: actor and critic forward + backward (3 × forward FLOPs) over prompt + response,
-     the actor's LM head on response positions only; where the trainer keeps the prefill's graph
-     (one epoch of one minibatch), the actor's forward over the prompts is the prefill, counted
-     in generation;
-   - generation: prefill over the prompts and one position per row and step, LM head on one
-     position per row and step. Decoding one token reads every weight once, so generation is
-     bound by memory, not FLOPs: its bandwidth utilisation (weights read per step / step time /
-     measured bandwidth) is printed beside its MFU.
-   - experience forwards: reference (body + LM head on response positions) and reward model (body).
+3. Our PPO iteration at bench/peer_trl.py's settings: model FLOPs per phase (generation,
+   experience forwards, training) counted from the model's shapes and the real tokens of each
+   rollout (`flops.phase_flops`), divided by the phase's wall time, as a share of the matmul
+   peak: MFU. Decoding one token reads every weight once, so generation is bound by memory, not
+   FLOPs: its decode steps' bandwidth (weights read per step / step time / measured bandwidth)
+   is printed too.
 
     .venv/bin/python bench/limits.py                 # ~4 minutes on 2 cores
     .venv/bin/python bench/limits.py --iterations 2 --threads 1
@@ -28,55 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import Shapes, bandwidth, matmul_peak, phase_flops  # noqa: E402
 from peer_trl import arguments, our_trainer, prepare  # noqa: E402
 
 from stages.ppo.generation import generate  # noqa: E402
-
-
-def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048, 3072), repeats: int = 5) -> float:
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b  # warm-up: thread pool, allocator
-        for _ in range(repeats):
-            started = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - started))
-    return best
-
-
-def bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    source = torch.ones(mib * 2**20 // 4)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    best = 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        target.copy_(source)
-        best = max(best, 2 * source.nbytes / (time.perf_counter() - started))
-    return best
-
-
-class Shapes:
-    """FLOPs of a Llama-style decoder from its config: 2 per multiply-add."""
-
-    def __init__(self, config):
-        d, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-        kv = config.num_key_value_heads * (d // config.num_attention_heads)
-        self.d, self.layers, self.vocab = d, layers, config.vocab_size
-        self.body_params = layers * (2 * d * d + 2 * d * kv + 3 * d * inter)  # q, o; k, v; gate, up, down
-        self.weight_bytes = (self.body_params + self.vocab * d) * 4  # fp32, LM head included
-
-    def body(self, lengths: list[int]) -> float:
-        """Forward of rows of these lengths: linear layers, plus causal attention (QKᵀ and AV)."""
-        return sum(2 * self.body_params * n + self.layers * 4 * self.d * n * (n + 1) / 2 for n in lengths)
-
-    def head(self, positions: int) -> float:
-        return 2 * self.d * self.vocab * positions
-
-    def decode_step(self, contexts: list[int]) -> float:
-        """One new token per row, attending to `contexts` earlier tokens."""
-        return sum(2 * self.body_params + self.layers * 4 * self.d * (c + 1) for c in contexts) + self.head(len(contexts))
 
 
 def main() -> None:
@@ -96,19 +45,14 @@ def main() -> None:
             if iteration < args.warmup:
                 continue
             exp = trainer.last_experience
-            prompt = exp.attention_mask[:, : exp.prompt_width].sum(1).tolist()
-            response = exp.response_mask.sum(1).long().tolist()
-            full = [p + r for p, r in zip(prompt, response)]
+            flops = phase_flops(shapes, exp, critic_forward="time/values" in metrics,
+                                prompt_pass=trainer.prompt_pass_in_training)
+            for phase, seconds in (("generate", metrics["time/generate"]),
+                                   ("experience", sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))),
+                                   ("train", metrics["time/train"])):
+                totals[phase][0] += flops[phase]
+                totals[phase][1] += seconds
             steps = exp.response_mask.shape[1]
-            decode = sum(shapes.decode_step([p + j for p in prompt]) for j in range(steps - 1))
-            totals["generate"][0] += shapes.body(prompt) + shapes.head(len(prompt)) + decode
-            totals["generate"][1] += metrics["time/generate"]
-            critic_forwards = 1 if "time/values" in metrics else 0  # 0: V_old comes from the training forward
-            totals["experience"][0] += (2 + critic_forwards) * shapes.body(full) + shapes.head(sum(response))  # π_SFT, RM
-            totals["experience"][1] += sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))
-            prefill = shapes.body(prompt) if trainer.prompt_pass_in_training else 0.0  # already run, with its graph
-            totals["train"][0] += 3 * (shapes.body(full) + shapes.head(sum(response)) + shapes.body(full)) - prefill
-            totals["train"][1] += metrics["time/train"]
             # Decode time = generation − a prefill alone (one new token) on the same prompts.
             prompts = [row[mask.bool()].tolist() for row, mask in zip(exp.sequences[:, : exp.prompt_width],
                                                                       exp.attention_mask[:, : exp.prompt_width])]

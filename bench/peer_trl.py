@@ -160,14 +160,19 @@ def our_trainer(spec: dict):
 
 
 def run_ours(spec: dict) -> None:
+    from flops import Shapes, phase_flops
+
     trainer = our_trainer(spec)
+    shapes = Shapes(trainer.actor.module.config)
     print("READY", flush=True)
     for _ in range(spec["warmup"] + spec["iterations"]):
         started = wait_for_turn()
-        trainer.step()
+        metrics = trainer.step()
         seconds = time.perf_counter() - started
         exp = trainer.last_experience
-        report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()))
+        flops = phase_flops(shapes, exp, critic_forward="time/values" in metrics, prompt_pass=trainer.prompt_pass_in_training)
+        report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()),
+               model_flops=sum(flops.values()))
     finish()
 
 
@@ -179,9 +184,9 @@ def wait_for_turn() -> float:
     return time.perf_counter()
 
 
-def report(seconds: float, response_tokens: int, prompt_tokens: int) -> None:
+def report(seconds: float, response_tokens: int, prompt_tokens: int, **more) -> None:
     print("ITERATION " + json.dumps({"seconds": seconds, "response_tokens": response_tokens,
-                                     "prompt_tokens": prompt_tokens}), flush=True)
+                                     "prompt_tokens": prompt_tokens, **more}), flush=True)
 
 
 def finish() -> None:
@@ -295,6 +300,11 @@ def main() -> None:
         run_trl(spec) if args.worker == "trl" else run_ours(spec)
         return
 
+    import torch
+
+    from flops import matmul_peak
+
+    torch.set_num_threads(args.threads)
     python = trl_python()
     with tempfile.TemporaryDirectory() as tmp:
         common, model_dir, reward_dir = prepare(args, Path(tmp))
@@ -342,6 +352,13 @@ def main() -> None:
     ours, trl = table["ours"], table["TRL"]
     print(f"ours / TRL: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
           f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+    # Measured right after the iterations, so that both see the machine in a like state.
+    peak = matmul_peak(torch.bfloat16 if args.bf16 else torch.float32)
+    ours_measured = iterations["ours"][args.warmup :]
+    achieved = sum(r["model_flops"] for r in ours_measured) / sum(r["seconds"] for r in ours_measured)
+    print(f"our MFU: {achieved / peak:.1%} ({achieved / 1e9:.1f} GFLOP/s of model FLOPs, real tokens only, against this "
+          f"machine's {'bf16' if args.bf16 else 'fp32'} matmul peak of {peak / 1e9:.1f} GFLOP/s measured after the "
+          "iterations; bench/limits.py splits it by phase)")
     paired = sorted(t["seconds"] / o["seconds"] for t, o in zip(iterations["TRL"][args.warmup :], iterations["ours"][args.warmup :]))
     print(f"episodes/s ×, pair by pair: median ×{statistics.median(paired):.2f}, "
           f"range ×{paired[0]:.2f} … ×{paired[-1]:.2f}")
