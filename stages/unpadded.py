@@ -83,7 +83,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
 
     def padded(t: torch.Tensor, head_dim: int, flat: torch.Tensor, width: int) -> torch.Tensor:
         """[n, heads·d] at flat positions of a [B, width] layout → [B, heads, width, d]."""
-        full = t.new_zeros(batch * width, t.shape[-1]).index_copy(0, flat, t)
+        full = t.new_zeros(batch * width, t.shape[-1]).index_copy_(0, flat, t)  # in place: no copy of the zeros
         return full.view(batch, width, -1, head_dim).transpose(1, 2)
 
     layers = base_model.layers[: base_model.config.num_hidden_layers]
@@ -109,4 +109,4 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
         x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
     x = rms_norm(base_model.norm, x)
     queries = length - from_position
-    return x.new_zeros(batch * queries, x.shape[-1]).index_copy(0, kept_index, x).view(batch, queries, -1)
+    return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
