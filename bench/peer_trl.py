@@ -22,7 +22,8 @@ take turns, one iteration at a time: pair k runs TRL's iteration k then ours for
 TRL's for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike.
 The first `--warmup` pairs are left out. Printed: each pair's seconds and TRL / ours; per side
 s/iteration, episodes/s, response tokens/s (tokens up to and including EOS), prompt and response
-tokens per iteration, peak RSS of the process; then ours / TRL over all measured iterations, and the
+tokens per iteration, peak RSS of the process; then ours / TRL over all measured iterations, our MFU
+over them (bench/flops.py's model FLOPs against the matmul peak measured right after), and the
 median and range of the pairs' ratios.
 
     .venv/bin/python bench/peer_trl.py                      # 1 warm-up + 6 measured iterations per side: ~9 min on 2 cores
