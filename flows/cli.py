@@ -118,6 +118,59 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flow(value) -> str:
+    """A value as one line of YAML (flow style), as `rlhf config` would print it."""
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, allow_unicode=True, width=1 << 30).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def _short(value) -> str:
+    """A list of sections (eval.judges) by its items' names; anything else as `_flow`."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+        return "[" + ", ".join(str(v["name"]) for v in value) + "]"
+    return _flow(value)
+
+
+def _explain(cfg, preset: str, overrides: list[str]) -> str:
+    """`rlhf config --explain`: every field of the resolved config, one line each: dotted name =
+    value, then the typed default and what changed it (the preset or --set), then the
+    description, which names the value's source. Sections are comment headings."""
+    from stages.config import ConfigError, config_fields, load_config
+
+    by_preset: dict | None = None
+    if overrides:
+        try:
+            by_preset = {f.name: f.value for f in config_fields(load_config(preset))}
+        except ConfigError:  # the preset alone does not validate: name both layers
+            by_preset = None
+    fields = list(config_fields(cfg))
+    lefts = {}
+    for f in fields:
+        if f.section:
+            continue
+        left = f"{f.name} = {_short(f.value)}"
+        if f.effective is not None:
+            left += f" (ppo.preset {cfg.ppo.preset}: {_flow(f.effective)})"
+        if f.value != f.default:
+            if not overrides:
+                layer = f"preset {cfg.preset}"
+            elif by_preset is None:
+                layer = f"preset {cfg.preset} or --set"
+            else:
+                layer = f"preset {cfg.preset}" if by_preset.get(f.name, object()) == f.value else "--set"
+            left += f" (default {_short(f.default)}, {layer})"
+        lefts[f.name] = left
+    width = max((len(left) for left in lefts.values() if len(left) <= 72), default=0)
+    lines = [f"# rlhf config --preset {preset}" + "".join(f" --set {o}" for o in overrides)
+             + ": name = value (default, changed by)  # description and source"]
+    for f in fields:
+        if f.section:
+            lines.append(f"\n# {f.name}: {f.description}" if f.description else f"\n# {f.name}")
+        else:
+            lines.append(f"{lefts[f.name]:<{width}}  # {f.description}".rstrip())
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
@@ -158,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
     show = sub.add_parser("config", help="print the resolved configuration")
     _config_args(show)
+    show.add_argument("--explain", action="store_true",
+                      help="one line per field: value, the default where the preset or --set changed it, and the "
+                           "description with the value's source (paper section, MOSS/TRL value or our reason)")
 
     args = parser.parse_args(argv)
     from stages.config import ConfigError, load_config
@@ -165,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "config":
-            print(yaml.safe_dump(load_config(args.preset, args.overrides).model_dump(mode="json"), sort_keys=False))
+            cfg = load_config(args.preset, args.overrides)
+            print(_explain(cfg, args.preset, args.overrides) if args.explain
+                  else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             return 0
         if args.command == "serve":
             from prefect import serve as prefect_serve

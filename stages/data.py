@@ -175,14 +175,27 @@ def render_response(tokenizer, response: str) -> str:
     return response if getattr(tokenizer, "chat_template", None) else " " + response
 
 
-def encode_example(tokenizer, messages: list[dict], response: str, max_seq_len: int, max_response_len: int):
+def encode_example(tokenizer, messages: list[dict], response: str, max_seq_len: int, max_response_len: int,
+                   ended: bool = True):
     """(input_ids, labels): labels are -100 on prompt tokens, so the loss sees the response and
-    its EOS only. Long prompts lose their oldest tokens; long responses are cut (EOS kept)."""
+    its EOS only. Long prompts lose their oldest tokens. A response whose tokens and EOS exceed
+    `max_response_len` is cut to that many tokens and gets no EOS: SFT must not learn to stop
+    mid-sentence, and a reward model, which reads its score at the last token, must not see a cut
+    answer as finished. `ended=False`: the response never ended (a generation stopped at its
+    token limit), so it gets no EOS either."""
     prompt_ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(render_response(tokenizer, response), add_special_tokens=False)["input_ids"]
-    response_ids = response_ids[: max_response_len - 1] + [tokenizer.eos_token_id]
-    prompt_ids = prompt_ids[-(max_seq_len - len(response_ids)) :]
+    if ended:
+        response_ids.append(tokenizer.eos_token_id)
+    response_ids = response_ids[:max_response_len]
+    prompt_ids = prompt_ids[max(len(prompt_ids) - (max_seq_len - len(response_ids)), 0) :]
     return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
+
+
+def count_cut(sequences: list[list[int]], tokenizer) -> int:
+    """How many of these examples (`encode_example`'s input_ids of whole answers) had their
+    response cut to fit: only those end without EOS."""
+    return sum(ids[-1] != tokenizer.eos_token_id for ids in sequences)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from stages import sources, tracking
 from stages.config import PipelineConfig
-from stages.data import SPLITS, encode_example, read_jsonl
+from stages.data import SPLITS, count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist, adamw, make_engine
 
@@ -73,14 +73,15 @@ def heldout_perplexity(model, examples, pad_id: int, batch_size: int, dist: Dist
     return loss, math.exp(min(loss, 50.0))
 
 
-def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up to the peak lr, then cosine decay to 0 (as transformers' schedule)."""
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """Linear warm-up to the peak lr, then cosine decay to `min_lr_ratio` × the peak (0: as
+    transformers' schedule; the paper's SFT decays to 10 %)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / max(1, warmup_steps)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -117,6 +118,36 @@ def generation_probe(model, tokenizer, rows: list[dict], max_new_tokens: int, ma
     return probe
 
 
+def response_tokens(labels: list[int]) -> int:
+    """The next-token targets of one example that `shifted_nll` counts."""
+    return sum(1 for label in labels[1:] if label != -100)
+
+
+def accumulate_step(engine, micro_batches: list[list[tuple[list[int], list[int]]]], pad_id: int,
+                    guard: NonFiniteGuard, dist: Dist, step: int) -> tuple[float, int]:
+    """One optimiser step over this rank's micro-batches, with the gradient of one token mean over
+    the whole global batch: Σ NLL / Σ response tokens over every micro-batch of every rank (as TRL
+    and OpenRLHF). A mean per micro-batch, averaged, would weigh a token of a short micro-batch
+    more than one of a long micro-batch. The engine divides each loss by its grad_accum_steps
+    (len(micro_batches)) and DeepSpeed averages gradients over ranks: the scale undoes both.
+    Returns this rank's summed response NLL and response-token count over the micro-batches that
+    trained."""
+    (total,) = dist.all_reduce_sum([sum(response_tokens(labels) for chunk in micro_batches for _, labels in chunk)])
+    scale = len(micro_batches) * dist.world_size / max(total, 1)
+    loss_sum, tokens = 0.0, 0
+    for micro, chunk in enumerate(micro_batches):
+        batch = {k: v.to(dist.device) for k, v in collate(chunk, pad_id).items()}
+        nll, n = response_nll(engine, batch)
+        # A NaN/Inf loss adds no gradient: the engine's accumulation waits for the next finite
+        # micro-batch, so no optimiser step ever takes in a non-finite one.
+        if not guard.check({"loss": nll}, f"step {step}, micro-batch {micro + 1}"):
+            continue
+        engine.backward(nll * scale)
+        engine.step()
+        loss_sum, tokens = loss_sum + nll.item(), tokens + n
+    return loss_sum, tokens
+
+
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     """Once, before the ranks start: local copies of the splits and of the base model."""
     splits_dir = tracking.download(inputs["splits"])
@@ -139,6 +170,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         return [encode_example(tokenizer, r["messages"], r["chosen"], sft.max_seq_len, sft.max_response_len) for r in rows]
 
     train_set = encode(read_jsonl(splits_dir / "sft.jsonl"))
+    # Counted here, not in the data stage: that stage has no tokenizer (the tiny preset's is
+    # trained on its splits), and max_response_len is this stage's setting.
+    cut_responses = count_cut([ids for ids, _ in train_set], tokenizer)
     heldout = encode(read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.eval_examples])
 
     per_rank = sft.micro_batch_size * sft.grad_accum_steps
@@ -151,7 +185,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         total_steps = min(total_steps, sft.max_steps)
 
     optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps)
+    scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps, sft.min_lr_ratio)
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=sft.micro_batch_size,
                          grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm, dist=dist)
 
@@ -163,7 +197,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                             "sft.engine": type(engine).__name__,
                             "sft.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
                             "sft.base_model": model_dir})
-        tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before}, step=0)
+        tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before,
+                             "data/cut_responses": cut_responses}, step=0)
 
     order_rng = random.Random(sft.seed)
     guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
@@ -179,18 +214,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                 break
             mine = order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
             step_started = time.perf_counter()
-            loss_sum, tokens = 0.0, 0
-            for micro in range(sft.grad_accum_steps):
-                chunk = [train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
-                batch = {k: v.to(dist.device) for k, v in collate(chunk, pad_id).items()}
-                nll, n = response_nll(engine, batch)
-                # A NaN/Inf loss adds no gradient: the engine's accumulation waits for the next finite
-                # micro-batch, so no optimiser step ever takes in a non-finite one.
-                if not guard.check({"loss": nll}, f"step {step + 1}, micro-batch {micro + 1}"):
-                    continue
-                engine.backward(nll / max(n, 1))
-                engine.step()
-                loss_sum, tokens = loss_sum + nll.item(), tokens + n
+            micro_batches = [[train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
+                             for micro in range(sft.grad_accum_steps)]
+            loss_sum, tokens = accumulate_step(engine, micro_batches, pad_id, guard, dist, step + 1)
             seq_tokens = sum(len(train_set[i][0]) for i in mine)
             loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
             step += 1

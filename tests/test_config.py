@@ -1,8 +1,22 @@
+import os
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
+from pydantic import BaseModel
 
-from stages.config import ConfigError, PipelineConfig, load_config, nest_overrides, parse_override
+import stages.config as config_module
+from config_helpers import dotted_keys
+from flows.cli import main
+from stages.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
+                           SFTConfig, load_config, nest_overrides, parse_override)
+
+# A description of an SFT, reward, critic, PPO or generation field names where its value comes
+# from: the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code, another implementation, or
+# our own reason ("ours: <reason>").
+SOURCE_MARKERS = ("paper", "MOSS", "TRL", "OpenRLHF", "InstructGPT", "ours:")
+SOURCED_SECTIONS = [SFTConfig, RewardConfig, CriticConfig, PPOConfig, GenerationConfig,
+                    config_module.EvalGenerationConfig]
 
 
 def test_presets_load_with_their_values():
@@ -64,3 +78,54 @@ def test_unknown_key_in_a_preset_file_names_the_file(tmp_path: Path):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ConfigError, match="presets: .*demo.*tiny"):
         load_config("nope")
+
+
+def _config_classes() -> list[type[BaseModel]]:
+    return [c for c in vars(config_module).values()
+            if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == config_module.__name__]
+
+
+def test_every_config_field_has_a_description():
+    missing = [f"{cls.__name__}.{name}" for cls in _config_classes()
+               for name, field in cls.model_fields.items() if not (field.description or "").strip()]
+    assert not missing
+
+
+@pytest.mark.parametrize("section", SOURCED_SECTIONS, ids=lambda c: c.__name__)
+def test_hyperparameter_descriptions_name_their_source(section):
+    unsourced = [name for name, field in section.model_fields.items()
+                 if not any(marker in (field.description or "") for marker in SOURCE_MARKERS)]
+    assert not unsourced, f"{section.__name__}: no source ({', '.join(SOURCE_MARKERS)}) for {unsourced}"
+
+
+def _explain(capsys, *args: str) -> dict[str, str]:
+    """`rlhf config ... --explain` through the real entry point: {dotted name: its line}."""
+    with patch.dict(os.environ):  # main() sets its environment defaults; keep them out of other tests
+        assert main(["config", *args, "--explain"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line and not line.startswith("#")]
+    return {line.split(" = ", 1)[0]: line for line in lines}
+
+
+def test_explain_prints_every_field_with_value_default_and_source(capsys):
+    lines = _explain(capsys, "--preset", "demo")
+    missing = [name for name in dotted_keys(PipelineConfig) if name not in lines]
+    assert not missing, f"not in --explain: {missing}"
+
+    kl = lines["ppo.kl_coef"]
+    assert kl.split(" = ", 1)[1].split()[0] == "0.05" and "Fig. 7" in kl
+
+    demo_lr = load_config("demo").sft.lr
+    assert demo_lr != SFTConfig().lr == 9.5e-6
+    lr = lines["sft.lr"]
+    assert float(lr.split(" = ", 1)[1].split()[0]) == pytest.approx(demo_lr)
+    assert "(default 9.5e-06, preset demo)" in lr and "paper §5.1" in lr
+    # Unchanged values carry no default; PPO switches left at None show what ppo.preset gives them.
+    assert "(default" not in lines["ppo.kl_coef"]
+    assert "(ppo.preset ppo-max: normalise)" in lines["ppo.score_mode"]
+
+
+def test_explain_tells_preset_from_override(capsys):
+    lines = _explain(capsys, "--preset", "tiny", "--set", "ppo.kl_coef=0.1")
+    assert "(default 0.05, --set)" in lines["ppo.kl_coef"]
+    assert "preset tiny)" in lines["sft.lr"]

@@ -7,7 +7,8 @@ import pytest
 
 from stages.config import ConfigError, load_config
 from stages.data import (
-    SPLITS, encode_example, load_pairs, make_splits, parse_pair, prompt_messages, render_prompt, split_dialogue,
+    SPLITS, count_cut, encode_example, load_pairs, make_splits, parse_pair, prompt_messages, render_prompt, render_response,
+    split_dialogue,
 )
 from stages.sources import DataError, read_records
 
@@ -117,20 +118,46 @@ def test_parquet_csv_and_gz_read_the_same_rows(tmp_path: Path):
     assert [r["_row"] for r in csv_rows] == [2, 3, 4]  # line numbers: the header is line 1
 
 
-def test_encode_example_masks_the_prompt():
+def _dialogue_tokenizer():
     from stages.sources import train_bpe_tokenizer
     from transformers import AutoTokenizer
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         train_bpe_tokenizer([DIALOGUE] * 20, 300, Path(tmp))
-        tok = AutoTokenizer.from_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def test_encode_example_masks_the_prompt():
+    tok = _dialogue_tokenizer()
     messages = prompt_messages(split_dialogue(DIALOGUE)[0])
     assert render_prompt(tok, messages) == split_dialogue(DIALOGUE)[0]  # no chat template: HH form
     ids, labels = encode_example(tok, messages, "fine, thanks", max_seq_len=64, max_response_len=32)
     n_prompt = sum(1 for label in labels if label == -100)
     assert ids[n_prompt:] == labels[n_prompt:] and labels[-1] == tok.eos_token_id
     assert tok.decode(ids[n_prompt:-1]) == " fine, thanks"
-    short_ids, short_labels = encode_example(tok, messages, "fine, thanks", max_seq_len=8, max_response_len=4)
-    assert len(short_ids) == 8 and short_labels[-1] == tok.eos_token_id
-    assert sum(1 for label in short_labels if label != -100) == 4
+
+
+def test_cut_response_gets_no_eos():
+    """A response cut to fit max_response_len must not teach the model to stop mid-sentence."""
+    tok = _dialogue_tokenizer()
+    messages = prompt_messages(split_dialogue(DIALOGUE)[0])
+    answer = "fine, thanks; and how are you on this sunny day?"
+    text = tok(render_response(tok, answer), add_special_tokens=False)["input_ids"]
+    assert len(text) > 4
+
+    def response(labels):
+        return [label for label in labels if label != -100]
+
+    cut_ids, labels = encode_example(tok, messages, answer, max_seq_len=8, max_response_len=4)
+    assert len(cut_ids) == 8 and response(labels) == text[:4] and tok.eos_token_id not in cut_ids
+    # The response and its EOS just fit: whole, it ends with EOS.
+    whole_ids, labels = encode_example(tok, messages, answer, max_seq_len=64, max_response_len=len(text) + 1)
+    assert response(labels) == text + [tok.eos_token_id]
+    # One token less: the text fits but its EOS does not, so it is cut and gets none.
+    short_ids, labels = encode_example(tok, messages, answer, max_seq_len=64, max_response_len=len(text))
+    assert response(labels) == text
+    assert count_cut([cut_ids, whole_ids, short_ids], tok) == 2
+    # A generated response that never ended gets no EOS even where one would fit.
+    _, labels = encode_example(tok, messages, answer, max_seq_len=64, max_response_len=64, ended=False)
+    assert response(labels) == text

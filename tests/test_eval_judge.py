@@ -6,10 +6,15 @@ handling; and the local chat judge on the tiny model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from eval_helpers import SECRET, JudgeServer, tiny_lm
-from stages.config import LocalJudgeConfig, OpenAIJudgeConfig
-from stages.evaluate.judge import JudgeError, LocalJudge, OpenAIJudge, Pair, judge_pairs, parse_verdict, tally
+from stages.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig
+from stages.data import render_prompt, render_response
+from stages.evaluate.judge import (
+    JudgeError, LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, parse_verdict, tally,
+)
+from stages.reward.model import RewardModel
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 MESSAGES = [{"role": "user", "content": "How do I bake bread?"}]
@@ -109,3 +114,24 @@ def test_local_judge_runs_on_the_tiny_model():
     # A random model writes no verdict: each such pair was asked again, then counted as invalid.
     invalid = judged[judged["verdict"] == "invalid"]
     assert invalid["retried"].all()
+
+
+def test_reward_model_judge_scores_a_cut_response_without_eos():
+    """The RM reads its score at the last token: a response cut at max_new_tokens never ended, and
+    with an EOS appended it would score as a finished answer."""
+    lm, tokenizer = tiny_lm()
+    torch.manual_seed(0)
+    reward_model = RewardModel(lm).eval()
+    judge = RewardModelJudge(RewardModelJudgeConfig(), reward_model, tokenizer, max_seq_len=256, max_response_len=64,
+                             batch_size=4)
+    answer = "Knead, rise, bake."
+    prompt = tokenizer(render_prompt(tokenizer, MESSAGES), add_special_tokens=False)["input_ids"]
+    text = tokenizer(render_response(tokenizer, answer), add_special_tokens=False)["input_ids"]
+
+    def score(ids):
+        with torch.no_grad():
+            return reward_model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0].item()
+
+    judged = judge_pairs(judge, [Pair(row=1, messages=MESSAGES, policy=answer, sft=answer, policy_ended=False)])
+    assert judged["score_policy"][0] == pytest.approx(score(prompt + text), abs=1e-5)
+    assert judged["score_sft"][0] == pytest.approx(score(prompt + text + [tokenizer.eos_token_id]), abs=1e-5)

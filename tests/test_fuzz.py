@@ -21,8 +21,8 @@ import pandas as pd
 import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
+from config_helpers import dotted_keys
 from hypothesis import strategies as st
-from pydantic import BaseModel
 
 from stages.config import ConfigError, DataConfig, PipelineConfig, load_config
 from stages.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
@@ -197,17 +197,6 @@ def test_records(records):
 
 # ----------------------------------------------------------------------------------------------
 # Config: preset files and overrides
-
-
-def dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            keys += dotted_keys(sub, f"{prefix}{name}.")
-        else:
-            keys.append(f"{prefix}{name}")
-    return keys
 
 
 KEYS = st.sampled_from(dotted_keys(PipelineConfig))

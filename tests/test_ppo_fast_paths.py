@@ -131,14 +131,47 @@ def test_our_llama_decode_steps_give_transformers_logits(extra):
     assert isinstance(decoder(model, ids, mask, 6), CachedDecoder)
 
 
-def test_greedy_sampling_with_a_repetition_penalty_matches_transformers():
+def test_greedy_sampling_with_a_repetition_penalty_matches_transformers_on_generated_tokens():
+    """transformers' repetition-penalty processor given the generated tokens only (the prompt's are
+    not penalised, paper §6.1), one full forward per step: the same tokens as our cached loop."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     model = small_llama().eval()
     prompt = [5, 6, 7, 5, 6, 7]
     rollout = generate(model, [prompt], eos_id=96, pad_id=0, max_new_tokens=12, do_sample=False, temperature=1.0,
                        top_p=1.0, top_k=0, repetition_penalty=1.3)
-    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
-                            eos_token_id=96, pad_token_id=0)
-    assert rollout.sequences[0, len(prompt) :].tolist() == theirs[0, len(prompt) :].tolist()
+    penalty, generated = RepetitionPenaltyLogitsProcessor(1.3), []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([prompt + generated])).logits[:, -1]
+            if generated:
+                logits = penalty(torch.tensor([generated]), logits)
+            generated.append(int(logits.argmax()))
+    assert rollout.sequences[0, len(prompt) :].tolist() == generated
+
+
+def _bias_only_llama(bias: dict[int, float]) -> LlamaForCausalLM:
+    """Logits = a fixed bias at every step, whatever the context."""
+    model = small_llama().eval()
+    model.lm_head = torch.nn.Linear(48, 97)
+    torch.nn.init.zeros_(model.lm_head.weight)
+    torch.nn.init.zeros_(model.lm_head.bias)
+    for token, value in bias.items():
+        model.lm_head.bias.data[token] = value
+    return model
+
+
+def test_repetition_penalty_ignores_prompt_tokens_and_pads():
+    """Token 5 is the favourite (logit 4.0, penalised 4.0 / 1.3 ≈ 3.08 < 3.5, token 6's). Only in
+    the prompt, or as a left pad of a shorter prompt, it is not penalised: the first token is 5;
+    once generated it is, so the second is 6."""
+    model = _bias_only_llama({5: 4.0, 6: 3.5})
+    greedy = dict(eos_id=96, max_new_tokens=2, do_sample=False, temperature=1.0, top_p=1.0, top_k=0,
+                  repetition_penalty=1.3)
+    rollout = generate(model, [[5, 5, 5]], pad_id=0, **greedy)
+    assert rollout.sequences[0, 3:].tolist() == [5, 6]
+    rollout = generate(model, [[7, 8, 9], [9]], pad_id=5, **greedy)  # row 1 is left-padded with 5s
+    assert rollout.sequences[:, 3:].tolist() == [[5, 6], [5, 6]]
 
 
 def test_generation_stops_when_every_row_has_ended_and_masks_after_eos():
@@ -211,11 +244,10 @@ def test_inverse_cdf_sampling_draws_from_the_distribution():
     torch.manual_seed(0)
     logits = torch.randn(3, 20) * 2
     logits[:, 5] = -torch.inf  # a token top-p/top-k removed: never drawn
-    seen = torch.zeros(3, 1, dtype=torch.long)
     counts = torch.zeros(3, 20)
     draws = 4000
     for _ in range(draws):
-        token = next_tokens(logits, seen, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, do_sample=True)
+        token = next_tokens(logits, None, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, do_sample=True)
         counts[torch.arange(3), token] += 1
     assert counts[:, 5].sum() == 0
     assert (counts / draws - logits.softmax(-1)).abs().max() < 0.03  # ~4 standard errors at p = 0.5

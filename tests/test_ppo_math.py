@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages.ppo.advantages import gae, masked_whiten
-from stages.ppo.losses import entropy, policy_loss, value_loss
+from stages.config import ConfigError, load_config
+from stages.ppo.losses import entropy, kl_loss, policy_loss, value_loss
 from stages.ppo.rewards import (
-    RunningMoments, apply_eos_penalty, kl_estimate, reparameterise_scores, token_rewards,
+    RunningMoments, eos_penalty_scores, kl_estimate, reparameterise_scores, shape_scores, token_rewards,
 )
 
 
@@ -89,19 +90,105 @@ def test_score_reparameterisation():
 
 
 def test_eos_penalty_replaces_scores_of_unfinished_responses():
+    moments = RunningMoments(mean=1.0, var=4.0, count=10)
     scores = torch.tensor([0.3, -0.2, 1.5])
     ended = torch.tensor([True, False, True])
-    assert apply_eos_penalty(scores, ended, -1.0).tolist() == pytest.approx([0.3, -1.0, 1.5])
-    assert apply_eos_penalty(scores, ended, None) is scores
+    assert eos_penalty_scores(scores, ended, moments, 3.0).tolist() == pytest.approx([0.3, 1.0 - 3 * 2.0, 1.5])
+    assert eos_penalty_scores(scores, ended, moments, None) is scores
 
 
-def test_k1_and_k3_hand_computed():
+@settings(max_examples=60, deadline=None)
+@given(st.floats(-50, 50), st.floats(0.01, 10), st.floats(-3, 3), st.sampled_from(["normalise", "scale", "none"]))
+def test_eos_penalty_in_shaped_units_ranks_a_truncated_response_last(offset, scale, own_score, mode):
+    """The audit's reproduction: RM scores centred at −3, the last response has no EOS. With the
+    old fixed raw penalty −1.0 mixed into the running statistics, the truncated response got the
+    highest shaped score ([-0.67, -0.31, -0.55, 1.97]). Whatever the RM's offset and scale, it must
+    get the lowest, and the statistics must hold the RM's own scores only."""
+    raw = offset + scale * (torch.tensor([-3.2, -2.9, -3.1, own_score]) + 3.0)
+    ended = torch.tensor([True, True, True, False])
+    moments = RunningMoments(mean=offset, var=scale**2, count=1.0)  # the RM's held-out statistics
+    shaped = shape_scores(raw, ended, moments, mode=mode, clip=10.0, eos_penalty_sigmas=10.0)
+    assert shaped[3] < shaped[:3].min(), shaped
+    expected = RunningMoments(mean=offset, var=scale**2, count=1.0)
+    if mode != "none":
+        expected.update(raw)  # the truncated response's own RM score, not a penalty
+    assert (moments.mean, moments.var, moments.count) == pytest.approx((expected.mean, expected.var, expected.count))
+
+
+def test_eos_penalty_at_the_papers_clip_is_minus_delta():
+    moments = RunningMoments(mean=-3.0, var=0.01, count=100)
+    shaped = shape_scores(torch.tensor([-3.1, 5.0]), torch.tensor([True, False]), moments, mode="normalise",
+                          clip=10.0, eos_penalty_sigmas=10.0, update_moments=False)
+    assert shaped.tolist() == pytest.approx([-1.0, -10.0])
+
+
+def test_k1_k2_and_k3_hand_computed():
     logp = torch.tensor([math.log(0.5), math.log(0.2)])
     ref = torch.tensor([math.log(0.25), math.log(0.4)])
     # k1 = log π − log π_ref = [log 2, log 0.5]
     assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([math.log(2), math.log(0.5)])
     # k3 = (ρ − 1) − log ρ, ρ = π_ref/π = [0.5, 2]: [−0.5 + log 2, 1 − log 2]
     assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([-0.5 + math.log(2), 1 - math.log(2)])
+    # k2 = ½ (log π − log π_ref)²
+    assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.5 * math.log(2) ** 2, 0.5 * math.log(0.5) ** 2])
+
+
+def _exact_expected_kl_gradients(kl_penalty_in: str, estimator: str, beta: float = 0.1, distance: float = 1.0):
+    """(E_{a~π}[∇_θ loss(a)], ∇KL(π‖π_ref), ∇KL(π_ref‖π)) for one state with a 5-way softmax
+    π = softmax(θ), the expectation taken exactly over the 5 actions, through our own code: the KL
+    in the reward (token_rewards, then the clipped surrogate with A = r, one token, V = 0), or as a
+    loss term (kl_loss). θ = the reference's logits + `distance` × noise."""
+    torch.manual_seed(0)
+    ref_logits, noise = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    theta = (ref_logits + distance * noise).requires_grad_(True)
+    ref = torch.log_softmax(ref_logits, -1)
+    log_pi = torch.log_softmax(theta, -1)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    expected = torch.zeros(5, dtype=torch.float64)
+    for a in range(5):
+        logp, ref_a = log_pi[a].view(1, 1), ref[a].view(1, 1)
+        if kl_penalty_in == "reward":
+            rewards, _ = token_rewards(torch.zeros(1, dtype=torch.float64), logp.detach(), ref_a, one, beta, estimator)
+            loss, _ = policy_loss(logp, logp.detach(), rewards, one, clip_eps=0.2)
+        else:
+            loss = beta * kl_loss(logp, ref_a, one, estimator)
+        (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
+        expected += log_pi[a].exp().detach() * grad
+    forward = torch.autograd.grad(beta * (log_pi.exp() * (log_pi - ref)).sum(), theta, retain_graph=True)[0]
+    reverse = torch.autograd.grad(beta * (ref.exp() * (ref - log_pi)).sum(), theta)[0]
+    # The objective is to maximise reward − β·KL: the loss's gradient must be +β∇KL.
+    return expected, forward, reverse
+
+
+@pytest.mark.parametrize("kl_penalty_in, estimator, which", [("reward", "k1", "forward"), ("loss", "k2", "forward"),
+                                                             ("loss", "k3", "reverse")])
+def test_kl_penalty_expected_gradient_is_the_kl_gradient(kl_penalty_in, estimator, which):
+    """Each supported place × estimator: the expected gradient equals β∇KL exactly — KL(π‖π_SFT),
+    or for k3 as a loss the reverse KL(π_SFT‖π), which agrees with it to second order around π_SFT
+    (both vanish at π = π_SFT and pull π back to it)."""
+    expected, forward, reverse = _exact_expected_kl_gradients(kl_penalty_in, estimator)
+    torch.testing.assert_close(expected, forward if which == "forward" else reverse, rtol=1e-9, atol=1e-12)
+
+
+def test_k3_in_the_reward_barely_constrains_the_policy():
+    """The audit's case: k3 as a per-token reward gives ∇KL(π‖ref) − ∇KL(ref‖π), which cancels to
+    first order; hence the config refuses it (below)."""
+    expected, forward, reverse = _exact_expected_kl_gradients("reward", "k3")
+    torch.testing.assert_close(expected, forward - reverse, rtol=1e-9, atol=1e-12)
+    # Near π_SFT, ∇KL shrinks like the distance, k3-as-reward's gradient like its square.
+    ratio = {}
+    for distance in (0.1, 0.01):
+        expected, forward, _ = _exact_expected_kl_gradients("reward", "k3", distance=distance)
+        ratio[distance] = float(expected.norm() / forward.norm())
+    assert ratio[0.01] < 0.2 * ratio[0.1], ratio
+
+
+@pytest.mark.parametrize("place, estimator", [("reward", "k2"), ("reward", "k3"), ("loss", "k1")])
+def test_kl_estimator_in_a_place_where_its_gradient_is_not_the_kl_is_a_config_error(place, estimator):
+    with pytest.raises(ConfigError, match=f"kl_estimator={estimator}"):
+        load_config("tiny", [f"ppo.kl_penalty_in={place}", f"ppo.kl_estimator={estimator}"])
+    load_config("tiny", ["ppo.kl_penalty_in=loss", "ppo.kl_estimator=k3"])  # the supported ones load
+    load_config("tiny", ["ppo.kl_penalty_in=reward", "ppo.kl_estimator=k1"])
 
 
 def test_token_rewards_with_left_padded_prompts_and_post_eos_padding():

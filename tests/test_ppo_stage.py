@@ -50,6 +50,19 @@ def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
     assert policy["rlhf.ppo_preset"] == "ppo-max"
 
 
+def test_ppo_continues_the_critic_stages_running_moments_without_warmup(full_run):
+    """PPO starts its score statistics where critic pre-training left them, count included (not
+    from the RM's held-out stats with count 1), and skips lr warm-up, which the critic replaces."""
+    outputs = tracking.outputs_of(full_run)
+    critic_config = json.loads((tracking.download(outputs["critic_model"]) / "reward_config.json").read_text())
+    carried = critic_config["running_moments"]
+    assert carried["count"] > 1  # every score of the critic's rollouts
+    params = stage_run(full_run, "ppo").data.params
+    for key in ("mean", "var", "count"):
+        assert float(params[f"ppo.initial_moments.{key}"]) == pytest.approx(carried[key], rel=1e-9)
+    assert params["ppo.warmup_steps"] == "0" and params["ppo.ptx_source"] == "sft split"
+
+
 def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):
     import pandas as pd
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,10 @@ from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.experience import rule_scores
 from stages.ppo.stage import encode_prompts
-from stages.ppo.trainer import PPOTrainer
+from stages.ppo.advantages import masked_mean
+from stages.ppo.experience import response_logits
+from stages.ppo.generation import token_logprobs
+from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import RewardModel
 from stages.sources import load_model, load_tokenizer, materialise_model
 
@@ -29,7 +34,8 @@ def tiny(hh_file):
     return folder, tokenizer, prompts
 
 
-def make_trainer(tiny, *overrides: str) -> PPOTrainer:
+def make_trainer(tiny, *overrides: str, **trainer_args) -> PPOTrainer:
+    """A PPO trainer on the tiny model with a rule reward; `trainer_args` replace PPOTrainer's."""
     folder, tokenizer, prompts = tiny
     cfg = load_config("tiny", ["ppo.rollout_batch_size=32", "ppo.minibatch_size=16", "ppo.actor_lr=3e-3",
                                "ppo.critic_lr=3e-3", f"ppo.reward={RULE}", "ppo.ptx=false",
@@ -37,9 +43,10 @@ def make_trainer(tiny, *overrides: str) -> PPOTrainer:
     model_cfg = cfg.model
     torch.manual_seed(0)  # the critic's fresh value head: the same in every test
     reference = load_model(folder, model_cfg).eval().requires_grad_(False)
-    return PPOTrainer(cfg.ppo, actor=load_model(folder, model_cfg), critic=RewardModel(load_model(folder, model_cfg)),
-                      reference=reference, score_fn=rule_scores(tokenizer, RULE), prompts=prompts, ptx_examples=[],
-                      tokenizer=tokenizer, dist=Dist())
+    args = dict(actor=load_model(folder, model_cfg), critic=RewardModel(load_model(folder, model_cfg)),
+                reference=reference, score_fn=rule_scores(tokenizer, RULE), prompts=prompts, ptx_examples=[],
+                tokenizer=tokenizer, dist=Dist())
+    return PPOTrainer(cfg.ppo, **{**args, **trainer_args})
 
 
 @pytest.mark.parametrize("preset", ["ppo-max", "vanilla"])
@@ -91,3 +98,117 @@ def test_a_half_written_or_corrupted_checkpoint_is_never_loaded(tiny, tmp_path):
         handle.seek(100)
         handle.write(b"\x00\x01\x02\x03")
     assert checkpoint.latest(tmp_path) == good
+
+
+def test_ptx_switch_leaves_the_prompt_order_unchanged(tiny):
+    """PPO-ptx draws its examples from a stream of its own: switching it on or off must not change
+    which prompts the policy is rolled out on (the old shared RNG changed it from the second pass)."""
+    _, tokenizer, prompts = tiny
+    ptx = [(ids, list(ids)) for ids in prompts[:20]]
+    seen = {}
+    for switch in ("true", "false"):
+        trainer = make_trainer(tiny, f"ppo.ptx={switch}", "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
+                               "ppo.generation.max_new_tokens=4", "ppo.ptx_batch_size=2", prompts=prompts[:16],
+                               ptx_examples=ptx)
+        seen[switch] = []
+        for _ in range(5):  # two prompts' passes and a half
+            metrics = trainer.step()
+            seen[switch].append(tokenizer.batch_decode(trainer.last_experience.sequences[:, :trainer.last_experience.prompt_width]))
+        assert (metrics["loss/ptx_avg"] > 0) == (switch == "true")
+    assert seen["true"] == seen["false"]
+
+
+def test_actor_and_critic_adamw_weight_decay_is_explicit_and_zero_by_default(tiny):
+    """The paper's code trains with weight decay 0; torch's AdamW default (0.01) must not slip in."""
+    trainer = make_trainer(tiny)
+    assert [g["weight_decay"] for g in trainer.actor.optimizer.param_groups] == [0.0]
+    assert [g["weight_decay"] for g in trainer.critic.optimizer.param_groups] == [0.0]
+    trainer = make_trainer(tiny, "ppo.actor_weight_decay=0.1", "ppo.critic_weight_decay=0.2")
+    assert [g["weight_decay"] for g in trainer.actor.optimizer.param_groups] == [0.1]
+    assert [g["weight_decay"] for g in trainer.critic.optimizer.param_groups] == [0.2]
+
+
+def test_ppo_warmup_is_ten_percent_without_a_pretrained_critic(tiny):
+    """Paper: 10 % lr warm-up, replaced by critic pre-training (§5.4) when that stage ran."""
+    cfg = load_config("tiny", ["ppo.iterations=20", "ppo.rollout_batch_size=16", "ppo.minibatch_size=8",
+                               "ppo.ppo_epochs=2"])
+    assert warmup_steps(cfg.ppo, pretrained_critic=False) == 8  # 10 % of 20 × 2 × 2 optimiser steps
+    assert warmup_steps(cfg.ppo, pretrained_critic=True) == 0
+    trainer = make_trainer(tiny, warmup=8)
+    assert trainer.actor.lr_scheduler.get_last_lr()[0] == pytest.approx(trainer.ppo.actor_lr / 8)
+
+
+def test_policy_perplexity_is_the_models_own_at_temperature_one(tiny):
+    """The paper's collapse indicator is the model's own perplexity (T = 1), not the one under the
+    sampling temperature; the tempered one is logged beside it."""
+    _, tokenizer, prompts = tiny
+    trainer = make_trainer(tiny, "ppo.generation.temperature=0.7", "ppo.rollout_batch_size=8",
+                           "ppo.minibatch_size=8", "ppo.generation.max_new_tokens=8")
+    exp, _, _ = trainer.rollout(prompts[:8])
+    mask, response = exp.response_mask, exp.sequences[:, exp.prompt_width :]
+    with torch.no_grad():
+        for model, logprobs in ((trainer.actor.module, exp.model_logprobs), (trainer.reference, exp.ref_model_logprobs)):
+            logits = response_logits(model, exp.sequences, exp.attention_mask, exp.prompt_width)
+            torch.testing.assert_close(logprobs, token_logprobs(logits, response, 1.0) * mask, atol=2e-5, rtol=1e-5)
+    metrics = trainer.step()
+    exp = trainer.last_experience
+    assert metrics["policy/ref_perplexity"] == pytest.approx(
+        torch.exp(-masked_mean(exp.ref_model_logprobs, exp.response_mask)).item(), rel=1e-5)
+    assert metrics["policy/perplexity_tempered"] == pytest.approx(
+        torch.exp(-masked_mean(exp.logprobs, exp.response_mask)).item(), rel=1e-5)
+    assert metrics["policy/perplexity"] != pytest.approx(metrics["policy/perplexity_tempered"], rel=1e-3)
+
+
+def test_kl_penalty_in_the_loss_trains_with_finite_numbers_and_logs_it(tiny):
+    trainer = make_trainer(tiny, "ppo.kl_penalty_in=loss", "ppo.kl_estimator=k3", "ppo.rollout_batch_size=8",
+                           "ppo.minibatch_size=8", "ppo.generation.max_new_tokens=8")
+    first = trainer.step()
+    second = trainer.step()
+    assert first["objective/non_score_reward"] == 0.0  # no KL inside the reward
+    assert first["loss/kl_avg"] == pytest.approx(0.0, abs=1e-6)  # π = π_SFT before the first step
+    assert second["loss/kl_avg"] > 0 and all(math.isfinite(v) for v in second.values())
+
+
+def test_checkpoint_keeps_the_cuda_rng_states(tiny, tmp_path, monkeypatch):
+    """On a GPU machine the sampling draws from the CUDA generators: a checkpoint must keep them
+    (each rank its own). torch.cuda's RNG calls are replaced by an in-memory pair of devices here;
+    the checkpoint code is ours, unchanged."""
+    trainer = make_trainer(tiny)
+    trainer.step()
+    devices = {0: torch.arange(8, dtype=torch.uint8), 1: torch.arange(8, 16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [devices[0].clone(), devices[1].clone()])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: devices.__setitem__(device, state.clone()))
+    saved = checkpoint.save(trainer, tmp_path)
+    devices[0], devices[1] = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    checkpoint.load(trainer, saved)
+    assert devices[0].tolist() == list(range(8)) and devices[1].tolist() == list(range(8, 16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_checkpoint_restores_real_cuda_sampling(tmp_path):
+    torch.cuda.manual_seed_all(3)
+    state = checkpoint.rng_state()
+    first = torch.rand(4, device="cuda")
+    checkpoint.load_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_ptx_data_reads_a_separate_text_dataset(tiny, tmp_path):
+    """PPO-ptx on pretraining-style text (eq. 17) when `ppo.ptx_data` names a file: every token a
+    target; a row without text is a DataError naming file and row. Default: the SFT split."""
+    from stages.ppo.stage import ptx_examples
+    from stages.sources import DataError
+
+    _, tokenizer, _ = tiny
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "The cat sat on the mat."}\n{"text": "Bread needs flour, water and time."}\n')
+    cfg = load_config("tiny", [f"ppo.ptx_data={corpus}"])
+    source, examples = ptx_examples(cfg, tokenizer, tmp_path)
+    assert source == str(corpus.resolve()) and len(examples) == 2
+    ids, labels = examples[1]
+    assert ids == labels and tokenizer.decode(ids) == "Bread needs flour, water and time."
+    corpus.write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    with pytest.raises(DataError, match=r"corpus.jsonl, row 2: .*`text`"):
+        ptx_examples(cfg, tokenizer, tmp_path)

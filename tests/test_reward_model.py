@@ -93,6 +93,18 @@ def test_last_token_pooling_is_the_same_for_left_and_right_padding(tokenizer):
     torch.testing.assert_close(right, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_cut_answer_of_a_pair_gets_no_eos(tokenizer):
+    """The RM reads its score at the last token: a cut answer ending in EOS would score as finished."""
+    row, eos = synthetic_pairs(1, seed=3)[0], tokenizer.eos_token_id
+    whole = encode_pairs(tokenizer, [row], max_seq_len=256, max_response_len=64)[0]
+    cut = encode_pairs(tokenizer, [row], max_seq_len=256, max_response_len=3)[0]
+    assert whole.chosen_ids[-1] == whole.rejected_ids[-1] == eos
+    assert eos not in cut.chosen_ids and eos not in cut.rejected_ids
+    assert cut.chosen_ids == whole.chosen_ids[: len(cut.chosen_ids)]  # the prompt and the answer's first tokens
+    assert cut.rejected_ids == whole.rejected_ids[: len(cut.rejected_ids)]
+    assert [label for label in cut.chosen_labels if label != -100] == cut.chosen_ids[-3:]
+
+
 def test_a_tiny_reward_model_learns_a_synthetic_preference(tokenizer, tmp_path):
     rm = RewardConfig(lr=3e-3, warmup_ratio=0.05, epochs=2, token_budget=3000, min_pairs=4, max_pairs=64, seed=0)
     train = encode_pairs(tokenizer, synthetic_pairs(256, seed=1), rm.max_seq_len, rm.max_response_len)

@@ -1,6 +1,8 @@
-"""C-Eval val: the official prompt, 0- or k-shot with the subject's dev exemplars; the answer is
-the argmax of the next-token log-probability over A/B/C/D; accuracy per subject, per category
-(the mean of its subjects, as C-Eval's leaderboard) and overall (the mean of all subjects)."""
+"""C-Eval val by the official C-Eval protocol: the official prompt, 0- or k-shot with the
+subject's first k dev exemplars; the answer is the argmax of the next-token log-probability over
+A/B/C/D (the letters as tokenised after "答案："); accuracy per subject, per category (the mean of
+its subjects, as C-Eval's leaderboard) and overall (the mean of all subjects). A prompt longer than
+the cap (by default the model's context) keeps fewer exemplars; each answer records how many."""
 
 from __future__ import annotations
 
@@ -140,20 +142,37 @@ def build_prompt(q: Question, exemplars: list[Question]) -> str:
 
 
 def letter_ids(tokenizer) -> list[int]:
-    ids = [tokenizer(letter, add_special_tokens=False)["input_ids"] for letter in LETTERS]
-    if any(len(i) != 1 for i in ids) or len({i[0] for i in ids}) != 4:
-        raise ValueError(f"C-Eval needs A, B, C, D to be one token each; this tokenizer gives {ids}")
-    return [i[0] for i in ids]
+    """The answer letters' token ids as they follow the prompt's "答案：": the last id of "：A" and
+    so on. A SentencePiece tokenizer gives a bare "A" a dummy prefix ("▁A"), a token that never
+    follows "：" and so is not the answer the model would write."""
+    cue = tokenizer("：", add_special_tokens=False)["input_ids"]
+    ids = [tokenizer("：" + letter, add_special_tokens=False)["input_ids"] for letter in LETTERS]
+    if any(i[:-1] != cue for i in ids) or len({i[-1] for i in ids}) != 4:
+        raise ValueError(f"C-Eval needs A, B, C, D to be one token each after '：' ({cue}); "
+                         f"this tokenizer gives {ids}")
+    return [i[-1] for i in ids]
 
 
-def encode(tokenizer, q: Question, exemplars: list[Question], max_seq_len: int) -> list[int]:
-    """Prompt token ids: exemplars are dropped from the first until the prompt fits, then the
-    oldest tokens are cut (the question and its answer cue always stay)."""
+def context_length(model, tokenizer) -> int:
+    """The model's context, the default prompt cap: its config's `max_position_embeddings`, else the
+    tokenizer's `model_max_length` unless that is transformers' "no limit" placeholder."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions:
+        return int(positions)
+    if tokenizer.model_max_length < 10**9:
+        return int(tokenizer.model_max_length)
+    raise ValueError("neither the model's config nor its tokenizer states a context length; set eval.ceval.max_seq_len")
+
+
+def encode(tokenizer, q: Question, exemplars: list[Question], max_seq_len: int) -> tuple[list[int], int]:
+    """(prompt token ids, exemplars kept): the first k exemplars for the largest k whose prompt
+    fits, so a prompt that lost exemplars is exactly the prompt of fewer shots; when even the 0-shot
+    prompt is too long, its oldest tokens are cut (the question's end and the answer cue stay)."""
     for k in range(len(exemplars), -1, -1):
         ids = tokenizer(build_prompt(q, exemplars[:k]), add_special_tokens=False)["input_ids"]
         if len(ids) <= max_seq_len:
-            return ids
-    return ids[-max_seq_len:]
+            return ids, k
+    return ids[-max_seq_len:], 0
 
 
 @torch.no_grad()
@@ -175,10 +194,14 @@ def answer_logprobs(model, prompts: list[list[int]], choice_ids: list[int], pad_
 
 
 def score(model, tokenizer, val: dict[str, list[Question]], dev: dict[str, list[Question]], shots: int,
-          batch_size: int, max_seq_len: int) -> pd.DataFrame:
-    """One row per question: subject, category, row, answer, predicted letter, its log-probability."""
+          batch_size: int, max_seq_len: int | None = None) -> pd.DataFrame:
+    """One row per question: subject, category, row, answer, predicted letter, its log-probability,
+    the prompt's length and the exemplars it kept (fewer than `shots` where the prompt had to fit
+    `max_seq_len`; None: the model's context)."""
     questions = [q for subject in val for q in val[subject]]
-    prompts = [encode(tokenizer, q, dev.get(q.subject, [])[:shots], max_seq_len) for q in questions]
+    cap = context_length(model, tokenizer) if max_seq_len is None else max_seq_len
+    encoded = [encode(tokenizer, q, dev.get(q.subject, [])[:shots], cap) for q in questions]
+    prompts = [ids for ids, _ in encoded]
     logprobs = answer_logprobs(model, prompts, letter_ids(tokenizer), tokenizer.pad_token_id, batch_size)
     best = logprobs.argmax(dim=1)
     return pd.DataFrame({
@@ -189,6 +212,7 @@ def score(model, tokenizer, val: dict[str, list[Question]], dev: dict[str, list[
         "predicted": [LETTERS[i] for i in best.tolist()],
         "logprob": logprobs.gather(1, best[:, None]).squeeze(1).tolist(),
         "prompt_tokens": [len(p) for p in prompts],
+        "exemplars": [k for _, k in encoded],
     })
 
 

@@ -58,6 +58,10 @@ class Pair:
     messages: list[dict]  # the conversation up to the answer
     policy: str
     sft: str
+    # False: the response stopped at its token limit without EOS (the reward-model judge scores
+    # it so); a given text, such as a dataset answer, is whole.
+    policy_ended: bool = True
+    sft_ended: bool = True
 
 
 @dataclass
@@ -92,8 +96,10 @@ class ChatJudge:
     def complete(self, conversations: list[list[dict]]) -> list[str]:
         raise NotImplementedError
 
-    def judge(self, items: list[tuple[list[dict], str, str]]) -> list[Judgement]:
-        conversations = [judge_conversation(*item) for item in items]
+    def judge(self, items: list[tuple[list[dict], str, str, bool, bool]]) -> list[Judgement]:
+        """items: (messages, answer A, answer B, A ended, B ended). A chat judge reads a cut answer
+        as the cut text it is, so it needs no flag."""
+        conversations = [judge_conversation(messages, a, b) for messages, a, b, _, _ in items]
         replies = self.complete(conversations)
         out = [Judgement(parse_verdict(reply), reply) for reply in replies]
         again = [i for i, j in enumerate(out) if j.verdict is None]
@@ -191,21 +197,25 @@ class RewardModelJudge:
         self.memo: dict[str, float] = {}  # the swapped order asks for the same scores again
 
     @torch.no_grad()
-    def scores(self, items: list[tuple[list[dict], str]]) -> list[float]:
+    def scores(self, items: list[tuple[list[dict], str, bool]]) -> list[float]:
+        """r(x, y) of (messages, response, ended) items. The score is read at the last token: a
+        response that ended gets its EOS, one cut at the generation's token limit does not, so it
+        does not score as a finished answer."""
         keys = [json.dumps(item, ensure_ascii=False) for item in items]
         todo = list(dict.fromkeys(k for k in keys if k not in self.memo))
         for start in range(0, len(todo), self.batch_size):
             chunk = todo[start : start + self.batch_size]
-            examples = [encode_example(self.tokenizer, *json.loads(k), self.max_seq_len, self.max_response_len)
-                        for k in chunk]
+            examples = [encode_example(self.tokenizer, messages, response, self.max_seq_len, self.max_response_len, ended)
+                        for messages, response, ended in map(json.loads, chunk)]
             batch = collate(examples, self.tokenizer.pad_token_id)
             rewards, _ = self.model(input_ids=batch["input_ids"].to(self.model.lm.device),
                                     attention_mask=batch["attention_mask"].to(self.model.lm.device))
             self.memo.update(zip(chunk, rewards.tolist()))
         return [self.memo[k] for k in keys]
 
-    def judge(self, items: list[tuple[list[dict], str, str]]) -> list[Judgement]:
-        both = self.scores([(m, a) for m, a, _ in items] + [(m, b) for m, _, b in items])
+    def judge(self, items: list[tuple[list[dict], str, str, bool, bool]]) -> list[Judgement]:
+        both = self.scores([(m, a, a_ended) for m, a, _, a_ended, _ in items] +
+                           [(m, b, b_ended) for m, _, b, _, b_ended in items])
         out = []
         for r_a, r_b in zip(both[: len(items)], both[len(items) :]):
             verdict = "tie" if abs(r_a - r_b) <= self.cfg.tie_margin else "A" if r_a > r_b else "B"
@@ -216,8 +226,8 @@ class RewardModelJudge:
 def judge_pairs(judge, pairs: list[Pair]) -> pd.DataFrame:
     """One row per pair: the policy's result with the policy first and second, and the verdict
     (`invalid` when either order has no verdict; a tie when the orders disagree)."""
-    first = judge.judge([(p.messages, p.policy, p.sft) for p in pairs])
-    second = judge.judge([(p.messages, p.sft, p.policy) for p in pairs])
+    first = judge.judge([(p.messages, p.policy, p.sft, p.policy_ended, p.sft_ended) for p in pairs])
+    second = judge.judge([(p.messages, p.sft, p.policy, p.sft_ended, p.policy_ended) for p in pairs])
     rows = []
     for pair, one, two in zip(pairs, first, second):
         a = POLICY_FIRST.get(one.verdict)

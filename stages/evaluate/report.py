@@ -1,5 +1,6 @@
 """The evaluation report: win/tie/lose per split and judge, the C-Eval table with the SFT → policy
-delta (the alignment tax), bar charts like the paper's Figs. 10–11, and the markdown text."""
+delta (the alignment tax) and a flag on any k-shot score where questions got fewer than k
+exemplars, bar charts like the paper's Figs. 10–11, and the markdown text."""
 
 from __future__ import annotations
 
@@ -34,8 +35,20 @@ def ceval_table(accuracies: dict[tuple[int, str], dict]) -> pd.DataFrame:
     return table
 
 
-def ceval_metrics(table: pd.DataFrame) -> dict[str, float]:
-    """eval/ceval_<k>shot/overall/<model>, .../<category>/<model>, .../subject/<name>/<model>."""
+def exemplar_shortfall(answers: pd.DataFrame) -> pd.DataFrame:
+    """Per k-shot score (k > 0) and model: questions, `exemplars_dropped` (how many got fewer than
+    k exemplars to fit the prompt cap) and the fewest any got. A score with drops is not a k-shot
+    score, and the report says so."""
+    few_shot = answers[answers["shots"] > 0]
+    short = few_shot["exemplars"] < few_shot["shots"]
+    return (few_shot.assign(short=short).groupby(["shots", "model"])
+            .agg(questions=("short", "size"), exemplars_dropped=("short", "sum"), fewest=("exemplars", "min"))
+            .reset_index())
+
+
+def ceval_metrics(table: pd.DataFrame, shortfall: pd.DataFrame) -> dict[str, float]:
+    """eval/ceval_<k>shot/overall/<model>, .../<category>/<model>, .../subject/<name>/<model>, and
+    eval/ceval_<k>shot/exemplars_dropped/<model> for k > 0 (questions with fewer than k exemplars)."""
     metrics = {}
     for row in table.to_dict(orient="records"):
         where = "overall" if row["scope"] == "overall" else slug(row["name"]) if row["scope"] == "category" \
@@ -43,7 +56,18 @@ def ceval_metrics(table: pd.DataFrame) -> dict[str, float]:
         for column in ("sft", "policy", "delta"):
             if pd.notna(row.get(column)):
                 metrics[f"eval/ceval_{row['shots']}shot/{where}/{column}"] = row[column]
+    for row in shortfall.itertuples():
+        metrics[f"eval/ceval_{row.shots}shot/exemplars_dropped/{row.model}"] = float(row.exemplars_dropped)
     return metrics
+
+
+def _flag_lines(shortfall: pd.DataFrame) -> list[str]:
+    """A markdown warning per k-shot score where a question got fewer than k exemplars."""
+    flags = [f"- ⚠ {r.shots}-shot {r.model}: {r.exemplars_dropped} of {r.questions} questions got fewer than "
+             f"{r.shots} exemplars (fewest {r.fewest}) to fit the prompt cap (`eval.ceval.max_seq_len`, by "
+             f"default the model's context); not a full {r.shots}-shot score."
+             for r in shortfall.itertuples() if r.exemplars_dropped]
+    return [*flags, ""] if flags else []
 
 
 def ceval_chart(table: pd.DataFrame, path: Path) -> None:
@@ -109,9 +133,9 @@ def _markdown_table(frame: pd.DataFrame, floats: str = "{:.3f}") -> str:
     return "\n".join(lines)
 
 
-def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None, judges: pd.DataFrame | None,
-             champion: str, questions_per_s: float) -> str:
-    """The full report (report.md in the eval run)."""
+def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None, shortfall: pd.DataFrame | None,
+             judges: pd.DataFrame | None, champion: str, questions_per_s: float) -> str:
+    """The full report (report.md in the eval run); `shortfall`: `exemplar_shortfall(answers)`."""
     lines = [f"# Evaluation, MLflow run `{run_id}`", ""]
     lines += [f"- {name}: `{uri}`" for name, uri in models.items()] + [f"- champion: {champion}", ""]
     if judges is not None:
@@ -119,19 +143,21 @@ def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None,
                   "![win/tie/lose](judges.png)", ""]
     if ceval is not None:
         summary = ceval[ceval["scope"] != "subject"].drop(columns="scope")
-        lines += ["## C-Eval val (accuracy; delta = policy − SFT, the alignment tax when negative)", "",
-                  _markdown_table(summary), "", "![C-Eval](ceval.png)", "",
+        lines += ["## C-Eval val, official C-Eval protocol (accuracy; delta = policy − SFT, the alignment tax "
+                  "when negative)", "", *_flag_lines(shortfall), _markdown_table(summary), "",
+                  "![C-Eval](ceval.png)", "",
                   f"{questions_per_s:.1f} questions/s scored.", "", "### Per subject", "",
                   _markdown_table(ceval[ceval["scope"] == "subject"].drop(columns="scope")), ""]
     return "\n".join(lines)
 
 
-def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, judges: pd.DataFrame | None,
-            champion: str) -> str:
+def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, shortfall: pd.DataFrame | None,
+            judges: pd.DataFrame | None, champion: str) -> str:
     """The short version the flow publishes as a Prefect artifact, linking to the full report."""
     lines = [f"# Evaluation: champion {champion}", "", f"Full report: [{report_uri}]({report_uri}) (MLflow run `{run_id}`).", ""]
     if judges is not None:
         lines += [_markdown_table(judges), ""]
     if ceval is not None:
-        lines += [_markdown_table(ceval[ceval["scope"] == "overall"].drop(columns=["scope", "name"])), ""]
+        lines += ["C-Eval val, official C-Eval protocol (overall accuracy):", "", *_flag_lines(shortfall),
+                  _markdown_table(ceval[ceval["scope"] == "overall"].drop(columns=["scope", "name"])), ""]
     return "\n".join(lines)

@@ -53,18 +53,20 @@ def load_lm(model_dir: str, model_cfg: ModelConfig, device: str):
     return model, tokenizer
 
 
-def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str) -> list[str]:
-    """Sampled responses (eval.generation: nucleus sampling, temperature, repetition penalty)."""
+def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str) -> tuple[list[str], list[bool]]:
+    """Sampled responses (eval.generation: nucleus sampling, temperature, repetition penalty):
+    (texts, whether each ended with EOS rather than at the token limit)."""
     ev = cfg.eval
     torch.manual_seed(ev.seed)  # both models sample from the same random stream
     prompts = encode_prompts(tokenizer, rows, ev.max_prompt_len)
-    out = []
+    out, ended = [], []
     for start in range(0, len(prompts), ev.generation_batch_size):
         rollout = generate(model, prompts[start : start + ev.generation_batch_size], eos_id=tokenizer.eos_token_id,
                            pad_id=tokenizer.pad_token_id, device=device, **ev.generation.model_dump())
         responses = rollout.sequences[:, rollout.prompt_width :]
         out += [text.strip() for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
-    return out
+        ended += rollout.ended_with_eos.tolist()
+    return out, ended
 
 
 def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
@@ -102,7 +104,8 @@ def set_champion(client, policy_uri: str) -> None:
 def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
                      device: str) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
     """C-Eval answers of each model, and (answering) its responses to the eval prompts; each
-    model is loaded once for both. Returns (answers, responses by model, C-Eval seconds)."""
+    model is loaded once for both. Returns (answers, responses by model and `<model>_ended` flags,
+    C-Eval seconds)."""
     ev = cfg.eval
     val, dev = ceval.load(cfg.data, ev.ceval.subjects, ev.ceval.max_questions_per_subject,
                           with_dev=max(ev.ceval.shots, default=0) > 0)
@@ -114,11 +117,13 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
             answers.append(ceval.score(model, tokenizer, val, dev, shots, ev.ceval.batch_size, ev.ceval.max_seq_len)
                            .assign(model=name, shots=shots))
             seconds += time.perf_counter() - t
+            short = int((answers[-1]["exemplars"] < shots).sum())
             print(f"eval: C-Eval {shots}-shot, {name}: {ceval.accuracy(answers[-1])['overall']['all']:.3f} "
-                  f"({len(answers[-1])} questions, {time.perf_counter() - t:.0f} s)")
+                  f"({len(answers[-1])} questions{f', {short} with fewer than {shots} exemplars' if short else ''}, "
+                  f"{time.perf_counter() - t:.0f} s)")
         if answering:
             t = time.perf_counter()
-            responses[name] = respond(model, tokenizer, rows, cfg, device)
+            responses[name], responses[f"{name}_ended"] = respond(model, tokenizer, rows, cfg, device)
             print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
     return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds
 
@@ -150,16 +155,19 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device)
     judged = pd.DataFrame()
     if judging:
-        pairs = [Pair(r["row"], r["messages"], p, s) for r, p, s in zip(rows, responses["policy"], responses["sft"])]
+        pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended)
+                 for r, p, s, p_ended, s_ended in zip(rows, responses["policy"], responses["sft"],
+                                                      responses["policy_ended"], responses["sft_ended"])]
         judged = judge_all(cfg, inputs, pairs, dist.device)
 
     # Metrics and the champion decision.
     metrics: dict[str, float] = {}
-    ceval_table = None
+    ceval_table = shortfall = None
     if len(answers):
         groups = answers.groupby(["shots", "model"])
         ceval_table = report.ceval_table({key: ceval.accuracy(group) for key, group in groups})
-        metrics.update(report.ceval_metrics(ceval_table))
+        shortfall = report.exemplar_shortfall(answers)
+        metrics.update(report.ceval_metrics(ceval_table, shortfall))
         metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
     judge_table, champion = None, "no policy"
     if len(judged):
@@ -194,11 +202,11 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         report.judge_chart(judge_table, out / "judges.png")
     model_uris = {"sft": inputs["sft_model"], **({"policy": inputs["policy_model"]} if "policy" in models else {})}
     (out / "report.md").write_text(report.markdown(
-        run_id=tracker.run_id, models=model_uris, ceval=ceval_table, judges=judge_table, champion=champion,
-        questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0)))
+        run_id=tracker.run_id, models=model_uris, ceval=ceval_table, shortfall=shortfall, judges=judge_table,
+        champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0)))
     report_uri = f"{tracker.client.get_run(tracker.run_id).info.artifact_uri}/report/report.md"
     (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
-                                                   judges=judge_table, champion=champion))
+                                                   shortfall=shortfall, judges=judge_table, champion=champion))
     tracker.log_artifacts(out, "report")
     return {"eval_run": tracker.run_id, "eval_probe": tracker.log_probe(probe_frame(answers, judged), "eval_probe"),
             "eval_report": tracker.artifact_uri("report/report.md"),

@@ -1,5 +1,6 @@
 """PPO checkpoints (design §4.7): actor, critic, both optimisers and schedulers, running moments,
-RNG states, data cursor and iteration — written atomically, verified before loading.
+RNG states (each rank's torch CPU and CUDA generators), data cursor and iteration — written
+atomically, verified before loading.
 
 Layout: `<dir>/iter-000010/` holding `manifest.json` (sha256 of every file) and the files; a
 checkpoint is written into a temporary folder and renamed into place, so a crash mid-write leaves
@@ -12,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import safetensors.torch
@@ -71,12 +73,36 @@ def save(trainer, directory: Path, keep: int = 2) -> Path:
     return final
 
 
+def rng_state() -> dict:
+    """This process's torch generators: the CPU one, and on a GPU machine every CUDA device's
+    (sampling runs on the GPU there: a resumed run without them would draw other tokens)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def load_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    saved = state.get("cuda") or []
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(saved) != here and saved:
+        warnings.warn(f"the checkpoint holds the RNG states of {len(saved)} CUDA devices, this machine has {here}: "
+                      f"the resumed run samples other tokens than an uninterrupted one would", stacklevel=2)
+    for device, generator in enumerate(saved[:here]):
+        torch.cuda.set_rng_state(generator, device)
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / "rng" / f"rank-{rank:05d}.pt"
+
+
 def _write(trainer, tmp: Path) -> None:
     """The files of a checkpoint, and last its manifest, into folder `tmp`."""
     if trainer.dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     trainer.dist.barrier()
+    _rng_file(tmp, trainer.dist.rank).parent.mkdir(exist_ok=True)
+    _save_file(_rng_file(tmp, trainer.dist.rank), lambda out: torch.save(rng_state(), out))
     for name, engine in _engine_states(trainer).items():
         if trainer.dist.deepspeed_config is not None:
             engine.save_checkpoint(str(tmp / name), tag="state")  # every rank writes its shards
@@ -126,3 +152,5 @@ def load(trainer, folder: Path) -> None:
             engine.optimizer.load_state_dict(states["optimizer"])
             engine.lr_scheduler.load_state_dict(states["scheduler"])
     trainer.load_state(torch.load(folder / "trainer.pt", weights_only=True))
+    if _rng_file(folder, trainer.dist.rank).exists():
+        load_rng_state(torch.load(_rng_file(folder, trainer.dist.rank), weights_only=True))

@@ -31,6 +31,10 @@ class Experience:
     ref_logprobs: torch.Tensor  # log π_SFT(a_j | s_j)
     values: torch.Tensor | None  # V_old(s_j); None until the training forward fills it in
     scores: torch.Tensor  # [B] raw score r(x, y)
+    # log π_old and log π_SFT at T = 1, the models' own distributions: their perplexities (the
+    # paper's collapse indicator). The same tensors as logprobs / ref_logprobs when T = 1.
+    model_logprobs: torch.Tensor | None = None
+    ref_model_logprobs: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -81,9 +85,16 @@ def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: li
     lap("generate")  # log π_old comes with the samples: no second forward of the actor
     sequences, attention_mask, width = rollout.sequences, rollout.attention_mask, rollout.prompt_width
     response_mask = rollout.response_mask
+    temperature, response = generation["temperature"], sequences[:, width:]
     with autocast(device, mixed_precision):
-        ref_logprobs = rollout.logprobs if reference is actor else token_logprobs(
-            response_logits(reference, sequences, attention_mask, width), sequences[:, width:], generation["temperature"])
+        if reference is actor:
+            ref_logprobs, ref_model_logprobs = rollout.logprobs, rollout.model_logprobs
+        else:
+            ref_logits = response_logits(reference, sequences, attention_mask, width)
+            ref_logprobs = token_logprobs(ref_logits, response, temperature) * response_mask
+            ref_model_logprobs = (token_logprobs(ref_logits, response, 1.0) * response_mask
+                                  if temperature != 1.0 else ref_logprobs)
+            del ref_logits
         lap("ref_logprobs")
         values = None
         if with_values:
@@ -92,7 +103,8 @@ def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: li
         scores = score_fn(sequences, attention_mask, width, response_mask).float()
         lap("scores")
     return Experience(sequences, attention_mask, width, response_mask, rollout.ended_with_eos, rollout.logprobs,
-                      ref_logprobs * response_mask, values, scores, seconds=lap.seconds, prompt_pass=rollout.prompt_pass)
+                      ref_logprobs, values, scores, model_logprobs=rollout.model_logprobs,
+                      ref_model_logprobs=ref_model_logprobs, seconds=lap.seconds, prompt_pass=rollout.prompt_pass)
 
 
 class Laps:

@@ -7,7 +7,9 @@ row has ended, and the LM head runs on one position per row and step, prompt inc
 steps come from `stages.ppo.decoding`.
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
-top-k, top-p. The recorded log-probability is under logits / temperature alone, the distribution
+top-k, top-p. The repetition penalty reads the tokens generated so far, not the prompt's (paper
+§6.1 and MOSS-RLHF penalise generated tokens only; transformers' processor also penalises every
+prompt token and left pad). The recorded log-probability is under logits / temperature alone, the distribution
 PPO's ratio is taken under (`token_logprobs`: the reference and training forwards take log π the same way).
 """
 
@@ -27,6 +29,7 @@ class Rollout:
     response_mask: torch.Tensor  # [B, R] float, 1 up to and including EOS
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # [B, R] log π(a_j | s_j) under logits / temperature, 0 after the end
+    model_logprobs: torch.Tensor  # [B, R] the same at T = 1, the model's own (its perplexity); `logprobs` when T = 1
     prompt_pass: PromptPass | None = None  # the prefill with its graph (keep_prompt_graph, Llama decoder)
 
 
@@ -54,13 +57,13 @@ def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return log_distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def next_tokens(logits: torch.Tensor, seen: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
+def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, temperature: float, top_k: int, top_p: float,
                 repetition_penalty: float, do_sample: bool) -> torch.Tensor:
-    """One token per row from [B, vocab] logits; `seen` [B, T] are the tokens so far (penalised)."""
-    if repetition_penalty != 1.0:  # CTRL's penalty, as transformers' RepetitionPenaltyLogitsProcessor
-        seen_logits = logits.gather(1, seen)
-        logits = logits.scatter(1, seen, torch.where(seen_logits > 0, seen_logits / repetition_penalty,
-                                                     seen_logits * repetition_penalty))
+    """One token per row from [B, vocab] logits; `generated` [B, vocab] bool marks the tokens this
+    row has generated so far, which the repetition penalty lowers (None: no penalty)."""
+    if repetition_penalty != 1.0 and generated is not None:  # CTRL's penalty, transformers' formula
+        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(generated, penalised, logits)
     if not do_sample:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -91,27 +94,36 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     actor.eval()
     steps = max(max_new_tokens, 1)
     model = decoder(actor, prompt_ids, prompt_mask, steps)
-    (logits, prompt_pass), seen = model.prefill(keep_prompt_graph), prompt_ids
+    logits, prompt_pass = model.prefill(keep_prompt_graph)
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens, logprobs, alive = [], [], []
+    # The tokens each row generated so far, only when the penalty reads them. A row's pads after
+    # its EOS are not generated tokens.
+    generated = (torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
+                 if repetition_penalty != 1.0 else None)
+    tokens, logprobs, model_logprobs, alive = [], [], [], []
     while True:
         logits = logits.float()
-        token = next_tokens(logits, seen, temperature=temperature, top_k=top_k, top_p=top_p,
+        token = next_tokens(logits, generated, temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
         token = torch.where(ended, torch.full_like(token, pad_id), token)
         alive.append(~ended)
         logprobs.append(token_logprobs(logits, token, temperature))
+        if temperature != 1.0:
+            model_logprobs.append(token_logprobs(logits, token, 1.0))
         tokens.append(token)
         ended = ended | (token == eos_id)
         if bool(ended.all()) or len(tokens) == steps:
             break
-        if repetition_penalty != 1.0:  # only the penalty reads the tokens so far
-            seen = torch.cat([seen, token[:, None]], dim=1)
+        if generated is not None:
+            rows = alive[-1]  # the rows that drew a token this step
+            generated[rows, token[rows]] = True
         logits = model.step(token)
     actor.train(was_training)
     response_mask = torch.stack(alive, dim=1)
     response = torch.stack(tokens, dim=1)
+    logprobs = torch.stack(logprobs, dim=1) * response_mask
     return Rollout(sequences=torch.cat([prompt_ids, response], dim=1),
                    attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1), prompt_width=prompt_ids.shape[1],
                    response_mask=response_mask.float(), ended_with_eos=ended,
-                   logprobs=torch.stack(logprobs, dim=1) * response_mask, prompt_pass=prompt_pass)
+                   logprobs=logprobs, prompt_pass=prompt_pass,
+                   model_logprobs=torch.stack(model_logprobs, dim=1) * response_mask if model_logprobs else logprobs)

@@ -1,10 +1,12 @@
-"""PPO losses (paper §5.3.3): clipped surrogate, clipped value loss, PPO-ptx, entropy."""
+"""PPO losses (paper §5.3.3): clipped surrogate, clipped value loss, PPO-ptx, entropy, and the KL
+penalty as a loss term (`ppo.kl_penalty_in=loss`)."""
 
 from __future__ import annotations
 
 import torch
 
 from stages.ppo.advantages import masked_mean
+from stages.ppo.rewards import KLEstimator, kl_estimate
 from stages.sft import shifted_nll
 
 
@@ -51,3 +53,11 @@ def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """PPO-ptx: the SFT language-modelling loss on pretraining/SFT data (labels −100 = ignore)."""
     nll, count = shifted_nll(logits, labels)
     return nll / max(count, 1)
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
+    """The KL penalty as a loss term (`ppo.kl_penalty_in=loss`, as GRPO and OpenRLHF's `use_kl_loss`):
+    the mean estimator over response tokens on log π_θ with its graph. Its expected gradient on
+    tokens sampled from π_θ: k2 → ∇KL(π ‖ π_SFT); k3 → ∇KL(π_SFT ‖ π), the reverse KL, equal to
+    the forward one to second order around π_SFT; k1 → 0, which is why the config refuses k1 here."""
+    return masked_mean(kl_estimate(logprobs, ref_logprobs, kind), mask)

@@ -65,26 +65,52 @@ def reparameterise_scores(scores: torch.Tensor, moments: RunningMoments, mode: S
     return ((scores - moments.mean) / moments.std).clamp(-clip, clip)
 
 
-def apply_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
-    """A response cut off before EOS gets the fixed `penalty` score instead of the RM's."""
-    if penalty is None:
+def eos_penalty_scores(scores: torch.Tensor, ended_with_eos: torch.Tensor, moments: RunningMoments,
+                       sigmas: float | None) -> torch.Tensor:
+    """A response cut off before EOS scores μ − κσ (κ = `sigmas`) on the running statistics of the
+    RM's own scores instead of its RM score: after reparameterisation that is −κ (clipped to −δ)
+    in `normalise` mode, so it ranks at the bottom of the batch whatever the RM's offset. A fixed
+    raw value would be a penalty only where the RM's scores sit above it. Call it after the
+    moments took in the RM's scores: the substitute never enters the statistics."""
+    if sigmas is None:
         return scores
-    return torch.where(ended_with_eos, scores, torch.full_like(scores, penalty))
+    penalty = torch.full_like(scores, moments.mean - sigmas * moments.std)
+    return torch.where(ended_with_eos, scores, penalty)
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k3"]) -> torch.Tensor:
-    """Per-token KL(π_old ‖ π_SFT) estimate from sampled tokens: k1 = log π − log π_SFT,
-    k3 = (ρ − 1) − log ρ with ρ = π_SFT / π (unbiased and non-negative; Schulman 2020)."""
+def shape_scores(scores: torch.Tensor, ended_with_eos: torch.Tensor, moments: RunningMoments, *, mode: ScoreMode,
+                 clip: float, eos_penalty_sigmas: float | None, update_moments: bool = True,
+                 all_reduce_sum=None) -> torch.Tensor:
+    """Raw RM scores → the scores the token rewards carry (§5.3.1): the running moments take in
+    the RM's own scores (update_moments; in `none` mode they are not used), a response without EOS
+    gets the EOS penalty on those statistics, then every score is reparameterised alike."""
+    if mode != "none" and update_moments:
+        moments.update(scores, all_reduce_sum)
+    scores = eos_penalty_scores(scores, ended_with_eos, moments, eos_penalty_sigmas)
+    return reparameterise_scores(scores, moments, mode, clip)
+
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
+    """Per-token KL(π ‖ π_SFT) estimate from sampled tokens (Schulman 2020): k1 = log π − log π_SFT,
+    k2 = ½ (log π − log π_SFT)², k3 = (ρ − 1) − log ρ with ρ = π_SFT / π (unbiased, non-negative)."""
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
     return torch.expm1(-log_ratio) + log_ratio
 
 
 def token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
-                  kl_coef: float, kl_kind: Literal["k1", "k3"]) -> tuple[torch.Tensor, torch.Tensor]:
+                  kl_coef: float, kl_kind: KLEstimator) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_t, KL_t) over response tokens: r_t = −β · KL_t, plus the score on the last response
-    token (eq. 1–2). `mask` is 1 on response tokens; rows have at least one."""
+    token (eq. 1–2). `mask` is 1 on response tokens; rows have at least one. A KL term in the
+    reward reaches the policy gradient as E_π[∇log π · KL_t], which is ∇KL(π ‖ π_SFT) for k1 only
+    (the config refuses other estimators here; they go in `kl_loss`). β = 0 leaves the KL out of
+    the reward (it is still returned for the metrics)."""
     kl = kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
     rewards = -kl_coef * kl
     last = mask.long().cumsum(dim=1).argmax(dim=1)  # index of the last response token

@@ -20,7 +20,7 @@ from stages.ppo import checkpoint
 from stages.ppo.advantages import masked_mean
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
-from stages.ppo.trainer import PPOTrainer
+from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import load_reward_model
 
 # A resumed attempt continues from the last checkpoint in the MLflow run of the attempt that was
@@ -57,9 +57,31 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist):
     return tokenizer, actor, reference, reward_model, critic, score_fn
 
 
-def initial_moments(reward_model) -> RunningMoments:
-    """Running score statistics start from the reward model's held-out mean and std."""
+def initial_moments(reward_model, critic=None) -> RunningMoments:
+    """Running score statistics: those critic pre-training ended with (every score it saw, with
+    their count), else the reward model's held-out mean and std with count 1."""
+    if critic is not None and critic.running_moments is not None:
+        return RunningMoments(**critic.running_moments)
     return RunningMoments(mean=reward_model.score_mean, var=reward_model.score_std**2, count=1.0)
+
+
+def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str, list[tuple[list[int], list[int]]]]:
+    """(source, examples) for PPO-ptx's LM loss (eq. 17): documents of `ppo.ptx_data` (a `text`
+    field per row; every token is a target, cut at sft.max_seq_len), or by default the SFT split's
+    chosen answers as the SFT stage saw them."""
+    if cfg.ppo.ptx_data is None:
+        rows = read_jsonl(splits_dir / "sft.jsonl")
+        return "sft split", [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len,
+                                            cfg.sft.max_response_len) for r in rows]
+    source, rows = sources.read_records(cfg.ppo.ptx_data, cfg.data)
+    examples = []
+    for row in rows:
+        text = row.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise sources.DataError(source, row.get("_row"), "ppo.ptx_data needs a non-empty string `text` field")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.sft.max_seq_len]
+        examples.append((ids, list(ids)))
+    return source, examples
 
 
 @torch.no_grad()
@@ -72,12 +94,12 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> 
     metrics = {
         "eval/score": exp.scores.mean().item(),
         "eval/response_length": mask.sum(1).mean().item(),
-        "eval/perplexity": torch.exp(-masked_mean(exp.logprobs, mask)).item(),
+        "eval/perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask)).item(),  # T = 1, the model's own
         "eval/kl": kl.mean().item(),
         "eval/eos_rate": exp.ended_with_eos.float().mean().item(),
     }
     per_response = {"response_tokens": mask.sum(1), "ended_with_eos": exp.ended_with_eos, "kl": kl,
-                    "perplexity": torch.exp(-masked_mean(exp.logprobs, mask, dim=1)), "score": exp.scores}
+                    "perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask, dim=1)), "score": exp.scores}
     gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in per_response.items()})
     frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int, "ended_with_eos": bool})
     return trainer.mean_across_ranks(metrics), frame
@@ -119,10 +141,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.eval_prompts]
     eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
     eval_prompts = encode_prompts(tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
-    ptx = [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len, cfg.sft.max_response_len)
-           for r in read_jsonl(splits_dir / "sft.jsonl")]
+    ptx_source, ptx = ptx_examples(cfg, tokenizer, splits_dir) if ppo.switches()["ptx"] else ("off", [])
+    pretrained_critic = "critic_model_dir" in inputs
+    moments = initial_moments(reward_model, critic if pretrained_critic else None)
     trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
-                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model))
+                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=moments,
+                         warmup=warmup_steps(ppo, pretrained_critic))
 
     checkpoints = dist.workdir / "checkpoints"
     resume_from = checkpoint.latest(checkpoints)
@@ -136,7 +160,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_params({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
                             "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
                             "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
-                            "ppo.critic_model": inputs.get("critic_model", "reward model")}
+                            "ppo.critic_model": inputs.get("critic_model", "reward model"),
+                            "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
+                            "ppo.initial_moments": moments.state_dict()}
                            if resume_from is None else {})
         tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
         tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint

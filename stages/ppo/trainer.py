@@ -16,8 +16,8 @@ from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
 from stages.ppo.advantages import gae, masked_mean, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.ppo.generation import log_distribution, picked
-from stages.ppo.losses import entropy, policy_loss, ptx_loss, value_loss
-from stages.ppo.rewards import RunningMoments, apply_eos_penalty, reparameterise_scores, token_rewards
+from stages.ppo.losses import entropy, kl_loss, policy_loss, ptx_loss, value_loss
+from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
 from stages.sft import collate
 
 
@@ -33,38 +33,48 @@ def warmup_schedule(optimizer, warmup_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
 
+def warmup_steps(ppo: PPOConfig, pretrained_critic: bool) -> int:
+    """Linear lr warm-up over `ppo.warmup_ratio` of PPO's optimiser steps; none after critic
+    pre-training, which replaces warm-up (paper §5.4)."""
+    if pretrained_critic:
+        return 0
+    steps_per_iteration = ppo.ppo_epochs * math.ceil(ppo.rollout_batch_size / ppo.minibatch_size)
+    return int(ppo.warmup_ratio * ppo.iterations * steps_per_iteration)
+
+
 class PPOTrainer:
     def __init__(self, ppo: PPOConfig, *, actor, critic, reference, score_fn, prompts: list[list[int]],
                  ptx_examples: list, tokenizer, dist: Dist, moments: RunningMoments | None = None,
-                 train_actor: bool = True):
+                 train_actor: bool = True, warmup: int = 0):
         """train_actor=False freezes the policy: critic pre-training (paper §5.4) with exactly
-        PPO's rollouts, reward shaping and GAE returns."""
+        PPO's rollouts, reward shaping and GAE returns. warmup: lr warm-up steps (`warmup_steps`)."""
         self.ppo, self.switches, self.dist, self.train_actor = ppo, ppo.switches(), dist, train_actor
         self.reference, self.score_fn, self.prompts, self.ptx_examples = reference, score_fn, prompts, ptx_examples
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.moments = moments or RunningMoments()
-        steps_per_iteration = ppo.ppo_epochs * math.ceil(ppo.rollout_batch_size / ppo.minibatch_size)
-        warmup = ppo.warmup_iterations * steps_per_iteration
         # Global clipping clips actor and critic together below; the engines then must not clip alone.
         self.joint_clip = self.switches["global_grad_clip"] and train_actor
         engine_clip = math.inf if self.joint_clip else ppo.max_grad_norm
 
-        def engine(model, lr):
-            optimizer = adamw(model, lr=lr, betas=ppo.adam_betas)
+        def engine(model, lr, decay):
+            optimizer = adamw(model, lr=lr, betas=ppo.adam_betas, weight_decay=decay)
             return make_engine(model, optimizer, warmup_schedule(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
                                grad_accum_steps=1, max_grad_norm=engine_clip, dist=dist)
 
-        self.actor = engine(actor, ppo.actor_lr) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
+        self.actor = engine(actor, ppo.actor_lr, ppo.actor_weight_decay) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
         # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
         # value its training forward computes. The rollout then skips the critic's own forward.
         self.values_in_training = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
         # Likewise the actor is unchanged: the prompt part of its training forward is the rollout's
         # prefill, kept with its graph. Not under autocast, which the sampling loop does not use.
         self.prompt_pass_in_training = self.values_in_training and train_actor and ppo.autocast == "none"
-        self.critic = engine(critic, ppo.critic_lr)
+        self.critic = engine(critic, ppo.critic_lr, ppo.critic_weight_decay)
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
+        # One seeded stream per consumer: whether PPO-ptx draws examples or not, the prompts come
+        # in the same order (a switch's ablation compares the same rollouts).
         self.rng = random.Random(ppo.seed)
+        self.ptx_rng = random.Random(f"ptx-{ppo.seed}")
         self.order = self._shuffled()
         torch.manual_seed(ppo.seed + dist.rank)
 
@@ -95,17 +105,25 @@ class PPOTrainer:
                               eos_id=self.eos_id, pad_id=self.pad_id, generation=ppo.generation.model_dump(),
                               with_values=with_values, keep_prompt_graph=keep_prompt_graph,
                               mixed_precision=ppo.autocast, device=self.dist.device)
-        # Score reparameterisation on running statistics, updated before use (§5.3.1).
-        scores = apply_eos_penalty(exp.scores, exp.ended_with_eos, ppo.eos_penalty_score if sw["eos_penalty"] else None)
-        if sw["score_mode"] != "none" and update_moments:
-            self.moments.update(scores, self.dist.all_reduce_sum if self.dist.distributed else None)
-        shaped = reparameterise_scores(scores, self.moments, sw["score_mode"], ppo.score_clip)
-        # Token rewards (eq. 1–2) and GAE (eq. 3).
+        # Score reparameterisation on running statistics of the RM's own scores, updated before use,
+        # and the EOS penalty in the same units (§5.3.1).
+        shaped = shape_scores(exp.scores, exp.ended_with_eos, self.moments, mode=sw["score_mode"], clip=ppo.score_clip,
+                              eos_penalty_sigmas=ppo.eos_penalty_sigmas if sw["eos_penalty"] else None,
+                              update_moments=update_moments,
+                              all_reduce_sum=self.dist.all_reduce_sum if self.dist.distributed else None)
+        # Token rewards (eq. 1–2) and GAE (eq. 3). With kl_penalty_in=loss, β acts in the policy
+        # loss instead (`optimise`) and the reward is the score alone.
         beta = ppo.kl_coef if sw["kl_penalty"] else 0.0
-        exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, beta, ppo.kl_estimator)
+        reward_beta = beta if ppo.kl_penalty_in == "reward" else 0.0
+        exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, reward_beta,
+                                            ppo.kl_estimator)
         if exp.values is not None:
             exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
         return exp, shaped, beta
+
+    def kl_loss_coef(self) -> float:
+        """β of the KL loss term: kl_penalty_in=loss with the KL penalty switched on, else 0."""
+        return self.ppo.kl_coef if self.switches["kl_penalty"] and self.ppo.kl_penalty_in == "loss" else 0.0
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
@@ -126,15 +144,19 @@ class PPOTrainer:
         mask = exp.response_mask
         lengths = mask.sum(1)
         kl_per_sequence = exp.kl.sum(1)
+        reward_beta = 0.0 if self.kl_loss_coef() else beta
         metrics = {
             "objective/scores": exp.scores.mean().item(),
             "objective/scores_shaped": shaped.mean().item(),
             "objective/kl": kl_per_sequence.mean().item(),
-            "objective/non_score_reward": (-beta * kl_per_sequence).mean().item(),
-            "objective/rlhf_reward": (exp.scores - beta * kl_per_sequence).mean().item(),
+            "objective/non_score_reward": (-reward_beta * kl_per_sequence).mean().item(),
+            "objective/rlhf_reward": (exp.scores - reward_beta * kl_per_sequence).mean().item(),
             "objective/entropy": (-exp.logprobs.sum(1)).mean().item(),
-            "policy/perplexity": math.exp(-masked_mean(exp.logprobs, mask).item()),
-            "policy/ref_perplexity": math.exp(-masked_mean(exp.ref_logprobs, mask).item()),
+            # The models' own perplexities (T = 1), as the paper's collapse indicator; the policy's
+            # under the sampling temperature beside it.
+            "policy/perplexity": math.exp(-masked_mean(exp.model_logprobs, mask).item()),
+            "policy/ref_perplexity": math.exp(-masked_mean(exp.ref_model_logprobs, mask).item()),
+            "policy/perplexity_tempered": math.exp(-masked_mean(exp.logprobs, mask).item()),
             "policy/response_length": lengths.mean().item(),
             "policy/response_length_p90": float(np.percentile(lengths.cpu().numpy(), 90)),
             "val/num_eos_tokens": exp.ended_with_eos.sum().item(),
@@ -195,6 +217,10 @@ class PPOTrainer:
                     with torch.set_grad_enabled(ppo.entropy_coef != 0):  # else only a statistic: no backward
                         policy_entropy = masked_mean(entropy(log_pi), mask)
                     actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
+                    if self.kl_loss_coef():  # β · KL as a loss term on log π_θ (kl_penalty_in=loss)
+                        kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator)
+                        actor_loss = actor_loss + self.kl_loss_coef() * kl_term
+                        step_stats["loss/kl_avg"] = kl_term
                     ptx = torch.zeros(())
                     if sw["ptx"] and self.ptx_examples:
                         with autocast(self.dist.device, ppo.autocast):
@@ -225,7 +251,7 @@ class PPOTrainer:
         return {name: total / steps for name, total in sums.items()}
 
     def _ptx_loss(self) -> torch.Tensor:
-        batch = [self.ptx_examples[self.rng.randrange(len(self.ptx_examples))] for _ in range(self.ppo.ptx_batch_size)]
+        batch = [self.ptx_examples[self.ptx_rng.randrange(len(self.ptx_examples))] for _ in range(self.ppo.ptx_batch_size)]
         tensors = {k: v.to(self.dist.device) for k, v in collate(batch, self.pad_id).items()}
         logits = self.actor.module(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
         return ptx_loss(logits, tensors["labels"])
@@ -240,13 +266,16 @@ class PPOTrainer:
     # -- state for checkpoints ----------------------------------------------------------------
     def state(self) -> dict:
         return {"iteration": self.iteration, "episode": self.episode, "cursor": self.cursor, "order": self.order,
-                "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(), "moments": self.moments.state_dict()}
+                "rng": self.rng.getstate(), "ptx_rng": self.ptx_rng.getstate(), "moments": self.moments.state_dict()}
 
     def load_state(self, state: dict) -> None:
         self.iteration, self.episode, self.cursor = state["iteration"], state["episode"], state["cursor"]
         self.order = list(state["order"])
         self.rng.setstate(_as_random_state(state["rng"]))
-        torch.set_rng_state(state["torch_rng"])
+        if "ptx_rng" in state:  # checkpoints before the separate stream: it starts afresh
+            self.ptx_rng.setstate(_as_random_state(state["ptx_rng"]))
+        if "torch_rng" in state:  # checkpoints before each rank kept its own (`checkpoint.save`)
+            torch.set_rng_state(state["torch_rng"])
         self.moments.load_state_dict(state["moments"])
 
 

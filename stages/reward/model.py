@@ -35,6 +35,8 @@ class RewardModel(torch.nn.Module):
         torch.nn.init.zeros_(self.score_head.bias)
         # Held-out score statistics, stored with the model (PPO starts its running moments here).
         self.score_mean, self.score_std = 0.0, 1.0
+        # A critic's: the running score statistics its pre-training ended with (RunningMoments.state_dict()).
+        self.running_moments: dict | None = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lm_rows: int = 0):
         """(reward of each row, LM logits of the first `lm_rows` rows)."""
@@ -71,10 +73,12 @@ def save_reward_model(model: RewardModel, tokenizer, out: Path, extra: dict) -> 
 
 
 def load_reward_model(folder: str | Path, model_cfg: ModelConfig) -> RewardModel:
-    """A saved reward model, with `score_mean`/`score_std` from its reward_config.json."""
+    """A saved reward model, with `score_mean`/`score_std` from its reward_config.json, and for a
+    critic the running score statistics its pre-training ended with (`running_moments`)."""
     folder = Path(folder)
     model = reward_model_from_lm(str(folder), model_cfg)
     model.score_head.load_state_dict(load_file(str(folder / SCORE_HEAD_FILE)))
     config = json.loads((folder / REWARD_CONFIG_FILE).read_text())
     model.score_mean, model.score_std = config["score_mean"], config["score_std"]
+    model.running_moments = config.get("running_moments")
     return model

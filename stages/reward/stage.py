@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from stages import sources, tracking
 from stages.config import PipelineConfig, RewardConfig
-from stages.data import encode_example, read_jsonl
+from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist, adamw, make_engine
 from stages.reward.batching import PairBatchSampler
@@ -160,6 +160,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                             "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
                             "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
                             "reward.sft_model": inputs["sft_model"]})
+        # Chosen and rejected answers of rm_train cut at reward.max_response_len (they end without EOS).
+        tracker.log_metrics({"data/cut_answers": count_cut([p.chosen_ids for p in train_set] +
+                                                           [p.rejected_ids for p in train_set], tokenizer)}, step=0)
 
     guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
     engine.train()
