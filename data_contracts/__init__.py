@@ -4,7 +4,7 @@ Depends on `stages/` (the probe data frames stages produce); nothing in `stages/
 and nothing here imports Prefect.
 """
 
-from data_contracts.gate import HANDOFFS, ContractError, GateReport, check_handoff, gate, validate
+from data_contracts.gate import ContractError, GateReport, check_handoff, gate, validate
 from data_contracts.suites import SUITES
 
-__all__ = ["HANDOFFS", "SUITES", "ContractError", "GateReport", "check_handoff", "gate", "validate"]
+__all__ = ["SUITES", "ContractError", "GateReport", "check_handoff", "gate", "validate"]

@@ -19,21 +19,11 @@ from typing import Any
 import pandas as pd
 
 from data_contracts.suites import SUITES, derive
+from stages import registry
 from stages.config import PipelineConfig
-
 from stages.tracking import CONTRACT_TAG
-ARTIFACT_DIR = "contracts"
 
-# Stage → the run that owns its artifacts, the probe frame of each suite, the model version it
-# registered (if any). All are keys of the stage's outputs. A new handoff is one entry here.
-HANDOFFS: dict[str, dict[str, Any]] = {
-    "data": {"run": "data_run", "suites": {"raw_pairs": "raw_pairs_probe", "splits": "splits_probe"}, "model": None},
-    "sft": {"run": "sft_run", "suites": {"sft": "sft_probe"}, "model": "sft_model"},
-    "reward": {"run": "reward_run", "suites": {"reward": "reward_probe"}, "model": "reward_model"},
-    "critic": {"run": "critic_run", "suites": {"critic": "critic_probe"}, "model": "critic_model"},
-    "ppo": {"run": "ppo_run", "suites": {"policy": "policy_probe"}, "model": "policy_model"},
-    "eval": {"run": "eval_run", "suites": {"evaluation": "eval_probe"}, "model": None},
-}
+ARTIFACT_DIR = "contracts"
 
 
 class ContractError(RuntimeError):
@@ -81,7 +71,6 @@ class GateReport:
     mode: str
     suites: list[SuiteReport]
     run_id: str | None = None
-    artifacts: list[str] = field(default_factory=list)  # artifact paths in the stage's run
 
     @property
     def success(self) -> bool:
@@ -227,7 +216,6 @@ def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, ml
     """Run the suites of one handoff; log results + Data Docs into `run_id`; raise on failure
     when `cfg.contracts.mode == "stop"`. frames: suite name → probe frame."""
     reports = []
-    artifacts = []
     with tempfile.TemporaryDirectory(prefix=f"gate-{stage}-") as tmp:
         tmp_path = Path(tmp)
         for suite, frame in frames.items():
@@ -241,8 +229,7 @@ def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, ml
                 docs = tmp_path / "docs" / suite
                 _keep_docs(site, docs)
                 mlflow_client.log_artifacts(run_id, str(docs), f"{ARTIFACT_DIR}/data_docs/{suite}")
-                artifacts += [f"{ARTIFACT_DIR}/{result_file.name}", f"{ARTIFACT_DIR}/data_docs/{suite}/index.html"]
-    out = GateReport(stage=stage, mode=cfg.contracts.mode, suites=reports, run_id=run_id, artifacts=artifacts)
+    out = GateReport(stage=stage, mode=cfg.contracts.mode, suites=reports, run_id=run_id)
     if mlflow_client is not None and run_id is not None:
         status = "passed" if out.success else "failed"
         mlflow_client.set_tag(run_id, CONTRACT_TAG, status)
@@ -268,12 +255,12 @@ def check_handoff(stage: str, outputs: dict[str, str], cfg: PipelineConfig) -> G
     """The gate after `stage`, on the probe frames named in its outputs (None: no contract yet)."""
     from stages import tracking
 
-    spec = HANDOFFS.get(stage)
-    if spec is None:
+    spec = registry.get(stage)
+    if not spec.contract:
         return None
-    missing = [key for key in (spec["run"], *spec["suites"].values()) if key not in outputs]
+    missing = [key for key in (spec.run_output, *spec.contract.values()) if key not in outputs]
     if missing:
         raise ValueError(f"contract gate after '{stage}': the stage's outputs lack {', '.join(missing)}")
-    frames = {suite: pd.read_parquet(tracking.download(outputs[key])) for suite, key in spec["suites"].items()}
-    model = outputs.get(spec["model"]) if spec["model"] else None
-    return gate(stage, frames, cfg, mlflow_client=tracking.client(), run_id=outputs[spec["run"]], model_version=model)
+    frames = {suite: pd.read_parquet(tracking.download(outputs[key])) for suite, key in spec.contract.items()}
+    model = outputs.get(spec.model_output) if spec.model_output else None
+    return gate(stage, frames, cfg, mlflow_client=tracking.client(), run_id=outputs[spec.run_output], model_version=model)

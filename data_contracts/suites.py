@@ -7,7 +7,7 @@ are expressed with built-ins over columns the stage writes (`rejected_prompt` be
 or with derived columns added in `derive()` before validation, never as Python checks beside GX.
 
 Adding a suite for a new handoff is one function plus one entry in `SUITES` (and the stage
-writing its probe frame; see `gate.HANDOFFS`).
+writing its probe frame, named in its `contract` in `stages/registry.py`).
 """
 
 from __future__ import annotations

@@ -15,12 +15,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 
-from data_contracts import HANDOFFS, ContractError, check_handoff
-from stages import tracking
+from data_contracts import ContractError, check_handoff
+from stages import registry, tracking
 from stages.config import PipelineConfig, load_config, rlhf_home
-from stages.launch import STAGE_INPUTS, STAGE_MODULES, StageLaunchError, execute
-
-STAGES = list(STAGE_MODULES)
+from stages.launch import StageLaunchError, execute
 
 # What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
 # to MLflow, the artifact store or the Prefect API dropped. Anything else (a gate, a bad config,
@@ -37,7 +35,7 @@ def stage_cache_key(context, parameters: dict[str, Any]) -> str:
     the stage, the URIs it reads, the hash of the config sections it depends on and the MLflow
     store those URIs live in."""
     stage, cfg, inputs = parameters["stage"], parameters["cfg"], parameters["inputs"]
-    key = {"stage": stage, "inputs": {name: inputs[name] for name in STAGE_INPUTS[stage] if name in inputs},
+    key = {"stage": stage, "inputs": {name: inputs[name] for name in registry.get(stage).inputs if name in inputs},
            "config": cfg.stage_hash(stage), "store": tracking.tracking_uri()}
     return f"{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}"
 
@@ -70,12 +68,12 @@ def use_aws_credentials_block() -> None:
     os.environ.update({key: value for key, value in values.items() if value})
 
 
-# One Prefect task per stage; its result is the stage's outputs (URIs and its MLflow run id
-# `<stage>_run`), cached under stage_cache_key. Training stages carry the tag `gpu`, so a Prefect
-# concurrency limit on that tag bounds how many run at once.
-STAGE_TASKS = {name: task(execute, name=name, task_run_name=name, cache_key_fn=stage_cache_key,
-                          result_serializer="json", tags=[] if name == "data" else ["gpu"])
-               for name in STAGES}
+def stage_task(name: str):
+    """The Prefect task of a stage; its result is the stage's outputs (URIs and its MLflow run id
+    `<stage>_run`), cached under stage_cache_key. Stages that run models carry the tag `gpu`, so
+    a Prefect concurrency limit on that tag bounds how many run at once."""
+    return task(execute, name=name, task_run_name=name, cache_key_fn=stage_cache_key, result_serializer="json",
+                tags=["gpu"] if registry.get(name).gpu else [])
 
 
 def contract_gate(stage: str, outputs: dict[str, Any], cfg: PipelineConfig) -> bool:
@@ -96,16 +94,17 @@ def contract_gate(stage: str, outputs: dict[str, Any], cfg: PipelineConfig) -> b
     return report.success
 
 
-# A gate is never retried: the same data fails the same way.
-GATE_TASKS = {name: task(contract_gate, name=f"gate-{name}", task_run_name=f"gate-{name}", retries=0)
-              for name in STAGES if name in HANDOFFS}
+def gate_task(name: str):
+    """The contract gate after stage `name`. Never retried: the same data fails the same way."""
+    return task(contract_gate, name=f"gate-{name}", task_run_name=f"gate-{name}", retries=0)
 
 
 def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, inputs: dict[str, Any],
               force: bool) -> dict[str, Any]:
     """Run stage `name`, or reuse the stage run that an earlier pipeline run made with the same
     cache key; record which in the pipeline run (`rlhf.stage.<name>`) and gate what ran."""
-    stage_task = STAGE_TASKS[name].with_options(
+    spec = registry.get(name)
+    configured = stage_task(name).with_options(
         # force reruns; otherwise Prefect's PREFECT_TASKS_REFRESH_CACHE decides (off by default)
         refresh_cache=force or None,
         result_storage=result_storage(),
@@ -113,20 +112,20 @@ def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, in
         retry_delay_seconds=cfg.orchestration.retry_delay_seconds,
         retry_condition_fn=retry_on_infrastructure_errors,
     )
-    state = stage_task(name, cfg, pipeline.run_id, inputs, return_state=True)
+    state = configured(name, cfg, pipeline.run_id, inputs, return_state=True)
     produced = state.result()
     reused = state.name == "Cached"
-    if reused and not tracking.reusable(produced[f"{name}_run"], gated=name in GATE_TASKS):
-        produced = stage_task.with_options(refresh_cache=True)(name, cfg, pipeline.run_id, inputs)
+    if reused and not tracking.reusable(produced[spec.run_output], gated=bool(spec.contract)):
+        produced = configured.with_options(refresh_cache=True)(name, cfg, pipeline.run_id, inputs)
         reused = False
-    pipeline.record_stage(name, produced[f"{name}_run"], "reused" if reused else "ran")
+    pipeline.record_stage(name, produced[spec.run_output], "reused" if reused else "ran")
     if f"{name}_summary" in produced:  # a stage's own report (eval): its markdown summary, linking to it
         create_markdown_artifact(tracking.download(produced[f"{name}_summary"]).read_text(), key=f"{name}-report",
-                                 description=f"{name} report, MLflow run {produced[f'{name}_run']}")
+                                 description=f"{name} report, MLflow run {produced[spec.run_output]}")
     if reused:
-        print(f"stage {name}: unchanged inputs and config, reusing stage run {produced[f'{name}_run']}")
-    elif name in GATE_TASKS:  # stops the flow here on failure (contracts.mode: stop)
-        GATE_TASKS[name](name, produced, cfg)
+        print(f"stage {name}: unchanged inputs and config, reusing stage run {produced[spec.run_output]}")
+    elif spec.contract:  # stops the flow here on failure (contracts.mode: stop)
+        gate_task(name)(name, produced, cfg)
     return produced
 
 
@@ -179,10 +178,10 @@ def rlhf(
         inputs, remaining = tracking.resume_plan(resume)
         stages = [name for name in (stages or remaining) if name in remaining]
     else:
-        stages = stages or STAGES
-    unknown = sorted(set(stages) - set(STAGES))
+        stages = stages or registry.names()
+    unknown = [name for name in stages if name not in registry.STAGES]
     if unknown:
-        raise ValueError(f"unknown stages {unknown}; stages: {', '.join(STAGES)}")
+        raise ValueError(registry.unknown_stage_message(unknown))
     if from_run == "latest":
         from_run = tracking.latest_pipeline_run(cfg)
         if from_run is None:
@@ -195,8 +194,12 @@ def rlhf(
                                               extra_tags={tracking.FLOW_RUN_TAG: str(flow_run.id)})
     print(f"pipeline run {pipeline.run_id} (MLflow {tracking.tracking_uri()})")
     try:
-        for name in STAGES:
+        for name in registry.names():
             if name not in stages:
+                continue
+            reason = registry.get(name).skipped(cfg)
+            if reason:
+                print(f"stage {name}: not run ({reason})")
                 continue
             deployment = cfg.orchestration.deployments.get(name) if len(stages) > 1 else None
             if deployment:  # a run of that one stage runs it in place
@@ -219,7 +222,7 @@ def deployments(preset: str):
     """`rlhf/full` and one deployment per stage (each reads the other stages' outputs from
     `from_run`, by default the latest finished pipeline run of the preset)."""
     out = [rlhf.to_deployment(name="full", parameters={"preset": preset})]
-    for name in STAGES:
-        if name != "data":
+    for name, spec in registry.STAGES.items():
+        if spec.deployed:
             out.append(rlhf.to_deployment(name=name, parameters={"preset": preset, "stages": [name], "from_run": "latest"}))
     return out

@@ -580,18 +580,6 @@ class OrchestrationConfig(_Section):
                     "pipeline runs where the parent runs.")
 
 
-# The config sections each stage's outputs depend on besides its inputs: its lineage tag
-# `rlhf.config_hash` and, with its input URIs, the cache key that lets a rerun skip it.
-STAGE_SECTIONS = {
-    "data": ("data",),
-    "sft": ("model", "data", "sft"),
-    "reward": ("model", "data", "sft", "reward"),
-    "critic": ("model", "data", "sft", "reward", "critic", "ppo"),
-    "ppo": ("model", "data", "sft", "reward", "critic", "ppo"),
-    "eval": ("model", "data", "reward", "eval"),  # reward: the lengths the score judge reads
-}
-
-
 class PipelineConfig(_Section):
     """The whole pipeline: one section per stage, plus model, data, contracts and orchestration."""
 
@@ -609,14 +597,22 @@ class PipelineConfig(_Section):
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
 
     def section_hash(self, *sections: str) -> str:
-        """Hash of the given sections: what a stage's output depends on besides its inputs."""
+        """Hash of the given sections ("sft") or single fields ("ppo.gamma")."""
         dump = self.model_dump(mode="json")
-        payload = {name: dump[name] for name in sections}
+        payload = {}
+        for name in sections:
+            value = dump
+            for part in name.split("."):
+                value = value[part]
+            payload[name] = value
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def stage_hash(self, stage: str) -> str:
-        """Hash of the sections `stage` depends on (STAGE_SECTIONS)."""
-        return self.section_hash(*STAGE_SECTIONS[stage])
+        """Hash of what `stage`'s outputs depend on besides its inputs (its registry entry's
+        `config`): its lineage tag `rlhf.config_hash` and, with its input URIs, its cache key."""
+        from stages.registry import get
+
+        return self.section_hash(*get(stage).config)
 
     def config_hash(self) -> str:
         return self.section_hash(*(n for n in type(self).model_fields if n != "preset"))

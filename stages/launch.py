@@ -19,24 +19,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from stages import registry
 from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
-
-# Stage name → module, in pipeline order. Each module has `run(cfg, tracker, inputs, dist)`
-# returning its outputs (URIs by name, and its MLflow run id as `<stage>_run`), and may have
-# `prepare(cfg, inputs)`: work done once, in the launching process, before any rank starts
-# (materialising a base model, downloading inputs).
-STAGE_MODULES = {"data": "stages.data", "sft": "stages.sft", "reward": "stages.reward", "critic": "stages.critic",
-                 "ppo": "stages.ppo.stage", "eval": "stages.evaluate.stage"}
-# What each stage reads from earlier stages' outputs (with its config, the cache key of a stage
-# that a rerun skips when they are unchanged: list every input the stage reads).
-STAGE_INPUTS = {"data": [], "sft": ["splits"], "reward": ["splits", "sft_model"],
-                "critic": ["splits", "sft_model", "reward_model"],
-                "ppo": ["splits", "sft_model", "reward_model", "critic_model"],
-                "eval": ["splits", "sft_model", "reward_model", "policy_model"]}
-# Inputs a stage uses when an earlier stage made them: eval of a run where only SFT ran
-# scores the SFT model alone; PPO without a critic run starts its critic from the reward model.
-OPTIONAL_INPUTS = {"ppo": {"critic_model"}, "eval": {"reward_model", "policy_model"}}
-
 
 class StageLaunchError(RuntimeError):
     """The ranks of a stage failed; the message holds the tail of their output."""
@@ -106,8 +90,6 @@ class PlainEngine:
         (loss / self.grad_accum_steps).backward()
 
     def step(self) -> None:
-        import torch
-
         if self.is_gradient_accumulation_boundary():
             if math.isinf(self.max_grad_norm):  # no clipping (PPO clips actor and critic jointly): no norm either
                 self.last_grad_norm = math.nan
@@ -244,20 +226,17 @@ def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
     return cmd + ["--no_local_rank", "--module", "stages.launch", str(spec_path)], max(slots.values())
 
 
-def _stage_module(stage: str):
-    return importlib.import_module(STAGE_MODULES[stage])
-
-
 def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
     """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
     from stages import tracking
 
-    missing = [name for name in STAGE_INPUTS[stage] if name not in inputs and name not in OPTIONAL_INPUTS.get(stage, ())]
+    spec = registry.get(stage)
+    missing = [name for name in spec.inputs if name not in inputs and name not in spec.optional_inputs]
     if missing:
         raise ValueError(f"stage '{stage}' needs {', '.join(missing)} from an earlier stage: run that stage too, "
                          f"or pass from_run=<pipeline run id> (or 'latest')")
     pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
-    tracker = pipeline.stage(stage, resumes=getattr(_stage_module(stage), "RESUMES", False))
+    tracker = pipeline.stage(stage, resumes=spec.resumes)
     try:
         outputs = run_stage(stage, cfg, tracker, inputs)
     except BaseException as err:
@@ -270,7 +249,7 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
 
 def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     """Run one stage in-process, or as ranks when its launch config asks; returns its outputs."""
-    module = _stage_module(stage)
+    module = registry.get(stage).load()
     if hasattr(module, "prepare"):
         inputs = {**inputs, **module.prepare(cfg, inputs)}
     launch = getattr(getattr(cfg, stage, None), "launch", None)
@@ -340,7 +319,7 @@ def _rank_main(spec_path: str) -> None:
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     try:
-        outputs = _stage_module(spec["stage"]).run(cfg, tracker, spec["inputs"], dist)
+        outputs = registry.get(spec["stage"]).load().run(cfg, tracker, spec["inputs"], dist)
     except Exception as err:
         # The first line of the stage's error, per rank, for the launcher's message.
         Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")

@@ -7,17 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import tracking
-from stages.launch import STAGE_MODULES
+from stages import registry, tracking
 
-# The numbers that say how a stage went (the last value logged), in the order shown.
-HEADLINE_METRICS = {
-    "data": ("data/rows", "data/dropped"),
-    "sft": ("eval/perplexity",),
-    "reward": ("eval/accuracy", "eval/margin"),
-    "critic": ("critic/final_value_loss", "critic/final_explained_variance"),
-    "ppo": ("objective/scores", "objective/kl", "eval/score", "policy/response_length"),
-}
 # PPO's key curves (per iteration), drawn for both runs of a comparison.
 PPO_CURVES = ("objective/scores", "objective/kl", "eval/score", "policy/response_length")
 
@@ -32,7 +23,8 @@ class StageView:
 
     def headline(self) -> dict[str, float]:
         metrics = self.run.data.metrics if self.run else {}
-        return {name: metrics[name] for name in HEADLINE_METRICS.get(self.stage, ()) if name in metrics}
+        headline = registry.STAGES[self.stage].headline if self.stage in registry.STAGES else ()
+        return {name: metrics[name] for name in headline if name in metrics}
 
 
 def stage_views(pipeline_run, inherited: bool = False) -> list[StageView]:
@@ -56,7 +48,8 @@ def stage_views(pipeline_run, inherited: bool = False) -> list[StageView]:
         own = {view.stage for view in views}
         views += [StageView(view.stage, "inherited", view.run)
                   for view in stage_views(mlflow_client.get_run(from_run), inherited=True) if view.stage not in own]
-    return sorted(views, key=lambda view: list(STAGE_MODULES).index(view.stage))
+    order = registry.names()
+    return sorted(views, key=lambda view: order.index(view.stage) if view.stage in order else len(order))
 
 
 def _number(value: float) -> str:
@@ -104,11 +97,11 @@ def compare(run_a: str, run_b: str, png: Path) -> str:
     views = [{view.stage: view for view in stage_views(run, inherited=True)} for run in runs]
     names = [f"{run.info.run_name} ({run.info.run_id[:8]})" for run in runs]
     rows = [("", "", *names)]
-    for stage, metrics in HEADLINE_METRICS.items():
-        values = [views[k][stage].headline() if stage in views[k] else {} for k in range(2)]
-        for name in metrics:
+    for stage in registry.STAGES.values():
+        values = [views[k][stage.name].headline() if stage.name in views[k] else {} for k in range(2)]
+        for name in stage.headline:
             if any(name in v for v in values):
-                rows.append((stage, name, *(_number(v[name]) if name in v else "-" for v in values)))
+                rows.append((stage.name, name, *(_number(v[name]) if name in v else "-" for v in values)))
     params = [_params(run, list(v.values())) for run, v in zip(runs, views)]
     differ = sorted(key for key in set(params[0]) | set(params[1]) if params[0].get(key) != params[1].get(key))
     rows.append(("", "", "", ""))

@@ -13,6 +13,7 @@ from prefect.states import Failed
 
 from flows import services
 from flows.rlhf import deployments, retry_on_infrastructure_errors, stage_cache_key
+from stages import registry
 from stages.config import REPO_ROOT, ConfigError, LaunchConfig, load_config
 from stages.launch import StageLaunchError, rank_command
 from stages.sources import DataError
@@ -35,6 +36,8 @@ def test_a_stage_cache_key_is_its_inputs_and_the_config_it_depends_on():
     assert _key("sft", cfg, INPUTS) == _key("sft", kl, INPUTS)  # SFT does not depend on the PPO section
     assert _key("sft", cfg, INPUTS) == _key("sft", load_config("tiny", {"orchestration.retries": 3}), INPUTS)
     assert _key("sft", cfg, INPUTS) != _key("reward", cfg, INPUTS)
+    # The critic reads a few PPO fields only: a longer PPO run reuses it (tests/test_registry.py).
+    assert _key("critic", cfg, INPUTS) == _key("critic", load_config("tiny", {"ppo.iterations": 200}), INPUTS)
 
 
 def test_only_infrastructure_failures_are_retried():
@@ -48,12 +51,14 @@ def test_only_infrastructure_failures_are_retried():
 
 
 def test_prefect_yaml_defines_the_served_deployments_on_a_cpu_and_a_gpu_pool():
+    """infra/prefect.yaml declares exactly the registry's deployments (stages/registry.py)."""
     declared = {d["name"]: d for d in yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())["deployments"]}
     served = {d.name: d.parameters for d in deployments("demo")}
-    assert set(declared) == set(served) == {"full", "sft", "reward", "critic", "ppo", "eval"}
+    assert set(declared) == set(served) == {"full"} | {s.name for s in registry.STAGES.values() if s.deployed}
     for name, deployment in declared.items():
         assert deployment["entrypoint"] == "flows/rlhf.py:rlhf" and deployment["parameters"] == served[name]
-        assert deployment["work_pool"]["name"] == ("rlhf-cpu" if name == "full" else "rlhf-gpu")
+        gpu = name != "full" and registry.get(name).gpu
+        assert deployment["work_pool"]["name"] == ("rlhf-gpu" if gpu else "rlhf-cpu")
     assert declared["ppo"]["work_pool"]["job_variables"]["env"]["RLHF_RESULTS"].startswith("/rlhf-home/")
     template = json.loads((REPO_ROOT / "infra" / "work-pools" / "kubernetes-gpu.json").read_text())
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]

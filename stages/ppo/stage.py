@@ -23,9 +23,6 @@ from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import load_reward_model
 
-# A resumed attempt continues from the last checkpoint in the MLflow run of the attempt that was
-# killed (tracking.PipelineRun.stage): one run holds the whole history, each step once.
-RESUMES = True
 
 
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:

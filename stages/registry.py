@@ -1,0 +1,124 @@
+"""The pipeline's stages, in order: one typed entry each. The flow, the stage cache keys and the
+lineage config hash, the contract gates, `rlhf runs`, the served deployments and
+`infra/prefect.yaml` (checked by a test) all read this table; nothing else lists the stages.
+
+Adding a stage is its module (`run(cfg, tracker, inputs, dist) -> outputs`, optionally
+`prepare(cfg, inputs) -> dict`, work done once in the launching process before any rank starts),
+its config class (a section of `PipelineConfig`) and one `Stage` entry here (or `register(...)`).
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str  # importable module with `run` (and maybe `prepare`)
+    # Config sections ("sft") or single fields ("ppo.gamma") that the stage's outputs depend on:
+    # with its inputs, the key under which a rerun reuses the stage, and the lineage config hash.
+    config: tuple[str, ...]
+    inputs: tuple[str, ...] = ()  # outputs of earlier stages it reads (every one it reads)
+    optional_inputs: tuple[str, ...] = ()  # of those, read only when an earlier stage made them
+    outputs: tuple[str, ...] = ()  # what it returns besides `<name>_run` (its MLflow run id)
+    registers: str | None = None  # the registered model `<registry_prefix>-<registers>`
+    model_output: str | None = None  # the output naming that model version (the gate tags it)
+    # The data contract after the stage: GX suite → the output holding its probe frame.
+    contract: dict[str, str] = field(default_factory=dict)
+    # A resumed attempt continues from the last checkpoint in the MLflow run of the attempt that
+    # was killed (tracking.PipelineRun.stage): one run holds the whole history, each step once.
+    resumes: bool = False
+    gpu: bool = True  # trains or runs models: served on the GPU work pool, Prefect tag `gpu`
+    deployed: bool = True  # served as the deployment `rlhf/<name>` (reads the rest from `from_run`)
+    headline: tuple[str, ...] = ()  # metrics `rlhf runs` shows, in order
+    # Why this configuration does not run the stage (None: it runs), e.g. a critic-free estimator.
+    skip_reason: Callable[[object], str | None] | None = None
+
+    @property
+    def run_output(self) -> str:
+        return f"{self.name}_run"
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    def skipped(self, cfg) -> str | None:
+        return self.skip_reason(cfg) if self.skip_reason else None
+
+
+# What the critic stage reads of the `ppo` section (stages/critic.py runs PPO's rollouts, score
+# shaping and GAE with its own batch sizes, lr and seed): PPO-only settings such as
+# `ppo.iterations` or `ppo.actor_lr` do not retrain the critic.
+CRITIC_READS_FROM_PPO = tuple(f"ppo.{name}" for name in (
+    "preset", "score_mode", "eos_penalty", "value_clip", "reward", "gamma", "lam", "score_clip",
+    "value_clip_eps", "eos_penalty_sigmas", "max_prompt_len", "generation", "max_nonfinite_steps", "autocast"))
+
+PIPELINE = ("model", "data", "sft", "reward")  # the sections every model stage depends on, in order
+
+STAGES: dict[str, Stage] = {}
+
+
+def register(stage: Stage, after: str | None = None) -> Stage:
+    """Add `stage` to the pipeline, at the end or right after stage `after`."""
+    if stage.name in STAGES:
+        raise ValueError(f"stage '{stage.name}' is registered already")
+    order = list(STAGES.values())
+    position = len(order) if after is None else [s.name for s in order].index(after) + 1
+    order.insert(position, stage)
+    STAGES.clear()
+    STAGES.update((s.name, s) for s in order)
+    return stage
+
+
+def unregister(name: str) -> None:
+    STAGES.pop(name)
+
+
+def names() -> list[str]:
+    return list(STAGES)
+
+
+def get(name: str) -> Stage:
+    if name not in STAGES:
+        raise KeyError(unknown_stage_message([name]))
+    return STAGES[name]
+
+
+def unknown_stage_message(unknown: list[str]) -> str:
+    hints = [f"'{name}'" + (f" (did you mean '{close[0]}'?)" if (close := difflib.get_close_matches(name, STAGES, 1)) else "")
+             for name in unknown]
+    return f"unknown stage{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; stages: {', '.join(STAGES)}"
+
+
+for _stage in (
+    Stage("data", "stages.data", config=("data",),
+          outputs=("splits", "data_digest", "data_source", "raw_pairs_probe", "splits_probe"),
+          contract={"raw_pairs": "raw_pairs_probe", "splits": "splits_probe"},
+          gpu=False, deployed=False, headline=("data/rows", "data/dropped")),
+    Stage("sft", "stages.sft", config=("model", "data", "sft"), inputs=("splits",),
+          outputs=("sft_model", "sft_model_artifact", "sft_probe"), registers="sft", model_output="sft_model",
+          contract={"sft": "sft_probe"}, headline=("eval/perplexity",)),
+    Stage("reward", "stages.reward", config=PIPELINE, inputs=("splits", "sft_model"),
+          outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
+          contract={"reward": "reward_probe"}, headline=("eval/accuracy", "eval/margin")),
+    Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
+          inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
+          registers="critic", model_output="critic_model", contract={"critic": "critic_probe"},
+          headline=("critic/final_value_loss", "critic/final_explained_variance")),
+    Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo"),
+          inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
+          outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
+          contract={"policy": "policy_probe"}, resumes=True,
+          headline=("objective/scores", "objective/kl", "eval/score", "policy/response_length")),
+    # eval reads `reward`: the lengths the score judge reads.
+    Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval"),
+          inputs=("splits", "sft_model", "reward_model", "policy_model"),
+          optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
+          contract={"evaluation": "eval_probe"}),
+):
+    register(_stage)

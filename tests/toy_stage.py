@@ -1,0 +1,18 @@
+"""A stage added in a test (tests/test_registry.py): it counts the SFT split's rows. Nothing but
+this module and its registry entry names it."""
+
+from __future__ import annotations
+
+from stages import tracking
+from stages.data import read_jsonl
+
+
+def prepare(cfg, inputs: dict) -> dict:
+    return {"splits_dir": str(tracking.download(inputs["splits"]))}
+
+
+def run(cfg, tracker, inputs: dict, dist) -> dict:
+    rows = read_jsonl(tracking.download(inputs["splits"]) / "sft.jsonl")
+    assert inputs["splits_dir"]  # prepare ran first, in the launching process
+    tracker.log_metrics({"toy/sft_rows": len(rows)}, step=0)
+    return {"toy_run": tracker.run_id, "toy_rows": str(len(rows))}
