@@ -239,13 +239,10 @@ def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, ml
         if model_version and model_version.startswith("models:/"):
             name, version = model_version.removeprefix("models:/").split("/")
             mlflow_client.set_model_version_tag(name, version, CONTRACT_TAG, status)
-        summary = tempfile.NamedTemporaryFile("w", suffix=".md", delete=False)
-        with summary:
-            summary.write(out.markdown())
-        try:
-            mlflow_client.log_artifact(run_id, summary.name, ARTIFACT_DIR)
-        finally:
-            os.unlink(summary.name)
+        with tempfile.TemporaryDirectory() as tmp:  # the artifact's name: contracts/<stage>_gate.md
+            summary = Path(tmp) / f"{stage}_gate.md"
+            summary.write_text(out.markdown())
+            mlflow_client.log_artifact(run_id, str(summary), ARTIFACT_DIR)
     if not out.success and cfg.contracts.mode == "stop":
         raise ContractError(out)
     return out

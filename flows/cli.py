@@ -80,6 +80,24 @@ def _open_stores() -> None:
             mlflow_client.search_experiments(max_results=1)
 
 
+def _check_runs_exist(args: argparse.Namespace) -> None:
+    """--from-run and --resume name pipeline runs of the store: a wrong id is a one-line error
+    before any stage starts."""
+    from mlflow.exceptions import MlflowException
+
+    from stages import tracking
+    from stages.config import ConfigError
+
+    for flag, run_id in (("--from-run", args.from_run), ("--resume", args.resume)):
+        if not run_id or run_id == "latest":
+            continue
+        try:
+            tracking.client().get_run(run_id)
+        except MlflowException:
+            raise ConfigError(f"{flag} {run_id}: no such run in the MLflow store {tracking.tracking_uri()} "
+                              f"(`rlhf runs` lists the pipeline runs)") from None
+
+
 def _up(args: argparse.Namespace) -> int:
     from flows import services
 
@@ -251,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides.append(f"contracts.mode={args.contracts}")
         cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+        from stages import registry
+
+        unknown = [name for name in stages or () if name not in registry.STAGES]
+        if unknown:
+            raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
         if stages is None or "data" in stages:
             from stages.sources import data_dir, resolve_local
 
@@ -261,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         from data_contracts import ContractError
 
         _open_stores()
+        _check_runs_exist(args)
         try:
             with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)):
                 run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,

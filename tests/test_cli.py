@@ -30,6 +30,15 @@ def test_bad_override_is_a_one_line_error():
     assert "Traceback" not in out.stderr
 
 
+def test_unknown_stage_and_unknown_run_are_one_line_errors_before_anything_starts():
+    out = _rlhf("run", "--preset", "tiny", "--stages", "sft,critc")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr[-2000:]
+    assert "rlhf: --stages: unknown stage 'critc' (did you mean 'critic'?); stages: data, sft" in out.stderr
+    out = _rlhf("run", "--preset", "tiny", "--stages", "eval", "--from-run", "deadbeef")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "rlhf: --from-run deadbeef: no such run in the MLflow store" in out.stderr
+
+
 def test_missing_data_file_is_a_one_line_error(tmp_path):
     out = _rlhf("run", "--preset", "tiny", "--stages", "data", "--set", f"data.pairs={tmp_path}/none.jsonl")
     assert out.returncode == 2, out.stderr[-2000:]

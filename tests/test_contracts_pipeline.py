@@ -90,6 +90,8 @@ def test_corrupted_data_stops_at_the_first_gate(good_run, corrupted):
     html = next((docs / "validations").rglob("*.html")).read_text()
     assert "Failed" in html and "unique across columns" in html
     assert f"{len(bad_rows)} unexpected values found" in html
+    summary = tracking.download(f"runs:/{data_run.info.run_id}/contracts/data_gate.md").read_text()
+    assert "raw_pairs" in summary  # the gate's summary under a name that says what it is
 
 
 def test_warn_mode_reports_and_goes_on(prefect_server, corrupted):
