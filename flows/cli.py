@@ -23,7 +23,8 @@ def _env_defaults() -> None:
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="demo", help="a preset name in infra/presets (tiny, demo) or a YAML file")
+    parser.add_argument("--preset", default=None, help="a preset name in infra/presets (tiny, demo) or a YAML file "
+                                                       "(default: demo)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set sft.lr=2e-5 (repeatable)")
 
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "config":
+            args.preset = args.preset or "demo"
             cfg = load_config(args.preset, args.overrides)
             print(_explain(cfg, args.preset, args.overrides) if args.explain
                   else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -267,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.contracts:
             args.overrides.append(f"contracts.mode={args.contracts}")
+        if args.resume and (args.preset or args.overrides):
+            raise ConfigError(f"--resume {args.resume}: a resumed run keeps the config it started with; leave out "
+                              f"--preset/--set/--contracts, or start a new run (--from-run {args.resume})")
+        args.preset = args.preset or "demo"
         cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
         from stages import registry
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in stages or () if name not in registry.STAGES]
         if unknown:
             raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
-        if stages is None or "data" in stages:
+        if not args.resume and (stages is None or "data" in stages):
             from stages.sources import data_dir, resolve_local
 
             resolve_local(cfg.data.pairs, data_dir(cfg.data))

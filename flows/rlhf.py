@@ -165,12 +165,13 @@ def rlhf(
 
     overrides: `{"sft": {"lr": 1e-5}}` or `{"sft.lr": 1e-5}`. stages: a subset of the stage
     names (default: all). from_run: a previous pipeline run id (or `latest`) whose outputs feed
-    the stages not run here. resume: a failed or killed pipeline run id to continue: its
-    finished stages are kept, the others run again in its folders (training resumes from the
+    the stages not run here. resume: a failed or killed pipeline run id to continue, with
+    the config it started with (preset and overrides are not read): its finished stages are kept, the others run again in its folders (training resumes from the
     last good checkpoint). force: run every stage, even one whose inputs and config match an
     earlier run's (by default such a stage is skipped and its earlier outputs are used).
     """
-    cfg = load_config(preset, overrides)
+    # A resumed run continues with the config it started with (its preset and overrides).
+    cfg = tracking.recorded_config(resume) if resume else load_config(preset, overrides)
     use_aws_credentials_block()
     if resume:
         if from_run:

@@ -23,6 +23,7 @@ from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
 PIPELINE_TAG = "rlhf.kind"
 OUTPUTS_TAG = "rlhf.outputs"
 INPUTS_TAG = "rlhf.inputs"  # on a pipeline run: what it started from (from_run's outputs)
+CONFIG_ARTIFACT = "config.json"  # on a pipeline run: the resolved config it ran with (a resume reuses it)
 # On a pipeline run, which stage run holds each of its stages: rlhf.stage.<name> = <how>:<run id>,
 # <how> `ran` (a child run of this pipeline run), `reused` (the run of an earlier pipeline run
 # with the same inputs and config: the stage was skipped) or `deployed` (the run made by the
@@ -344,6 +345,7 @@ class PipelineRun:
             tags[INPUTS_TAG] = json.dumps(inputs)
         run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
+        mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)
         return cls(mlflow_client, run.info.run_id, cfg)
 
     @classmethod
@@ -453,6 +455,19 @@ def outputs_of(pipeline_run_id: str) -> dict[str, str]:
         if _feeds_later_stages(run):
             merged.update(json.loads(run.data.tags[OUTPUTS_TAG]))
     return merged
+
+
+def recorded_config(pipeline_run_id: str) -> PipelineConfig:
+    """The resolved config a pipeline run started with (its config.json); for a run made before
+    that artifact existed, its preset's defaults."""
+    from mlflow.exceptions import MlflowException
+
+    from stages.config import load_config
+
+    try:
+        return PipelineConfig.model_validate(json.loads(download(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}").read_text()))
+    except (MlflowException, OSError):
+        return load_config(client().get_run(pipeline_run_id).data.tags["rlhf.preset"])
 
 
 def resume_plan(pipeline_run_id: str) -> tuple[dict[str, str], list[str]]:

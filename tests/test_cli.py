@@ -8,6 +8,7 @@ import sys
 import yaml
 
 from stages import tracking
+from stages.config import load_config
 
 
 def _rlhf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -52,3 +53,12 @@ def test_run_on_the_ephemeral_api():
     run_id = re.search(r"Pipeline run (\w+) finished", out.stdout).group(1)
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
     assert "mlflow ui --backend-store-uri sqlite:///" in out.stdout
+
+    # --resume continues with the run's own config (tiny here, not the default demo preset) and
+    # refuses a --preset or --set that would change it.
+    assert tracking.recorded_config(run_id) == load_config("tiny")
+    out = _rlhf("run", "--resume", run_id, "--preset", "demo")
+    assert out.returncode == 2 and f"rlhf: --resume {run_id}: a resumed run keeps the config it started with" in out.stderr
+    out = _rlhf("run", "--resume", run_id)  # nothing left to run: it finishes at once
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert tracking.client().get_run(run_id).data.params["registry_prefix"] == "rlhf-tiny"
