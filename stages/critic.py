@@ -6,7 +6,6 @@ This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -98,24 +97,16 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                              "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
                              "critic/converged": float(converged), "critic/rollouts": trainer.iteration,
                              "critic/train_seconds": train_seconds}, step=trainer.iteration * steps_per_rollout)
-        out = tracker.workdir / "model"
         critic_model = trainer.critic.module
         critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
         # The running score statistics go with the critic: PPO continues them, count and all.
-        save_reward_model(critic_model, tokenizer, out, {"role": "critic", "value_loss": metrics["loss/value_avg"],
-                                                          "explained_variance": metrics["val/explained_variance"],
-                                                          "running_moments": trainer.moments.state_dict()})
-        tracker.log_artifacts(out, "model")
-        shutil.rmtree(out)
-        lineage = {
-            "rlhf.input.reward_model": inputs["reward_model"],
-            "rlhf.input.sft_model": inputs["sft_model"],
-            **tracker.provenance(inputs, cfg.stage_hash("critic")),
-            "rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
-            "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}",
-        }
-        version = tracker.register("critic", "model", cfg.registry_prefix, lineage)
-        outputs = {"critic_model": version, "critic_model_artifact": tracker.artifact_uri("model"),
-                   "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
+        published = tracker.publish_model(
+            lambda out: save_reward_model(critic_model, tokenizer, out, {
+                "role": "critic", "value_loss": metrics["loss/value_avg"],
+                "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()}),
+            cfg=cfg, inputs=inputs,
+            lineage={"rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
+                     "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
+        outputs = {**published, "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
     dist.barrier()
     return outputs

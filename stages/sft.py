@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -243,17 +242,22 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_metrics({"eval/loss": loss_after, "eval/perplexity": ppl_after}, step=step)
         tracker.log_metrics({"sft/perplexity_before": ppl_before, "sft/perplexity_after": ppl_after,
                              "sft/train_seconds": train_seconds}, step=step)
-        out = tracker.workdir / "model"
-        engine.module.config.use_cache = True
-        engine.module.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        tracker.log_artifacts(out, "model")
-        # Held-out probe for the SFT contract, on the saved weights (whatever engine trained them).
-        probe_started = time.perf_counter()
-        probe_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
-        probe = generation_probe(sources.load_model(str(out), cfg.model), tokenizer, probe_rows,
-                                 sft.probe_max_new_tokens, sft.max_seq_len)
-        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
+        probe_started, probe = time.perf_counter(), []
+
+        def save(out: Path) -> None:
+            engine.module.config.use_cache = True
+            engine.module.save_pretrained(out, safe_serialization=True)
+            tokenizer.save_pretrained(out)
+
+        def held_out_probe(out: Path) -> None:  # for the SFT contract, on the saved weights (whatever engine trained them)
+            probe_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
+            probe.extend(generation_probe(sources.load_model(str(out), cfg.model), tokenizer, probe_rows,
+                                          sft.probe_max_new_tokens, sft.max_seq_len))
+
+        published = tracker.publish_model(
+            save, cfg=cfg, inputs=inputs, inspect=held_out_probe,
+            lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{ppl_before:.4f}",
+                     "rlhf.perplexity_after": f"{ppl_after:.4f}"})
         probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])
         probe_frame["perplexity_before"], probe_frame["perplexity_after"] = ppl_before, ppl_after
         probe_frame["final_train_loss"] = final_train_loss
@@ -261,14 +265,6 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_metrics({"probe/eos_rate": float(probe_frame["ended_with_eos"].mean()) if probe else 0.0,
                              "probe/mean_response_tokens": float(probe_frame["response_tokens"].mean()) if probe else 0.0,
                              "probe/seconds": time.perf_counter() - probe_started}, step=step)
-        lineage = {
-            "rlhf.input.base_model": cfg.model.name_or_path,
-            **tracker.provenance(inputs, cfg.stage_hash("sft")),
-            "rlhf.perplexity_before": f"{ppl_before:.4f}",
-            "rlhf.perplexity_after": f"{ppl_after:.4f}",
-        }
-        version = tracker.register("sft", "model", cfg.registry_prefix, lineage)
-        outputs = {"sft_model": version, "sft_model_artifact": tracker.artifact_uri("model"),
-                   "sft_run": tracker.run_id, "sft_probe": probe_uri}
+        outputs = {**published, "sft_run": tracker.run_id, "sft_probe": probe_uri}
     dist.barrier()
     return outputs

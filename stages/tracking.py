@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 import warnings
@@ -291,11 +292,44 @@ class StageRun:
     def artifact_uri(self, path: str) -> str:
         return f"runs:/{self.run_id}/{path}"
 
+    def artifact_location(self, path: str) -> str:
+        """Where the store keeps artifact `path` of this run (a file:// or s3:// URL, for links)."""
+        return f"{self._call(self.client.get_run, self.run_id).info.artifact_uri}/{path}"
+
+    def set_model_alias(self, model_uri: str, alias: str) -> None:
+        """Point alias `alias` of a registered model at the version `model_uri` (models:/name/version)."""
+        name, version = model_uri.removeprefix("models:/").split("/")
+        self._call(self.client.set_registered_model_alias, name, alias, version)
+
     def provenance(self, inputs: dict, config_hash: str) -> dict[str, str]:
         """The lineage tags every registered model carries: splits, data digest, code, config, pipeline run."""
         return {"rlhf.input.splits": inputs["splits"], "rlhf.data_digest": inputs.get("data_digest", ""),
                 "rlhf.git_commit": git_commit(), "rlhf.config_hash": config_hash,
                 "rlhf.pipeline_run": self.pipeline_run_id}
+
+    def publish_model(self, save, *, cfg: PipelineConfig, inputs: dict, lineage: dict[str, Any] | None = None,
+                      inspect=None) -> dict[str, str]:
+        """The one way a trained model leaves a stage: `save(folder)` writes it (safetensors and
+        tokenizer), the folder becomes this run's `model/` artifact, `inspect(folder)` (a probe of
+        the saved weights, say) runs on the local copy before it goes, and the artifact is
+        registered as `<registry_prefix>-<the stage's registers>` with the lineage tags: every
+        model input of the stage (`rlhf.input.<name>`), `provenance`, and `lineage`. Returns
+        {"<registers>_model": models:/…, "<registers>_model_artifact": runs:/…/model}."""
+        from stages import registry
+
+        spec = registry.get(self.stage)
+        out = self.workdir / "model"
+        shutil.rmtree(out, ignore_errors=True)
+        save(out)
+        self.log_artifacts(out, "model")
+        if inspect is not None:
+            inspect(out)
+        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
+        tags = {f"rlhf.input.{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
+        tags.update(self.provenance(inputs, cfg.stage_hash(self.stage)))
+        tags.update(lineage or {})
+        version = self.register(spec.registers, "model", cfg.registry_prefix, tags)
+        return {f"{spec.registers}_model": version, f"{spec.registers}_model_artifact": self.artifact_uri("model")}
 
     def register(self, kind: str, artifact_path: str, prefix: str, lineage: dict[str, str]) -> str:
         """Register `<prefix>-<kind>` from this run's artifacts; returns `models:/name/version`."""

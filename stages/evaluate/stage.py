@@ -96,11 +96,6 @@ def probe_frame(answers: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
                                                   "score_sft": float})
 
 
-def set_champion(client, policy_uri: str) -> None:
-    name, version = policy_uri.removeprefix("models:/").split("/")
-    client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
-
-
 def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
                      device: str) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
     """C-Eval answers of each model, and (answering) its responses to the eval prompts; each
@@ -182,7 +177,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
                     f"margin {ev.champion_margin})")
         metrics["eval/champion"] = float(won)
         if won:
-            set_champion(tracker.client, inputs["policy_model"])
+            tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
     tracker.set_tags({"rlhf.champion": champion})
@@ -204,7 +199,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     (out / "report.md").write_text(report.markdown(
         run_id=tracker.run_id, models=model_uris, ceval=ceval_table, shortfall=shortfall, judges=judge_table,
         champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0)))
-    report_uri = f"{tracker.client.get_run(tracker.run_id).info.artifact_uri}/report/report.md"
+    report_uri = tracker.artifact_location("report/report.md")
     (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
                                                    shortfall=shortfall, judges=judge_table, champion=champion))
     tracker.log_artifacts(out, "report")

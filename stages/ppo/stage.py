@@ -4,7 +4,6 @@ evaluation, sample tables; the final policy registered as <prefix>-policy."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -193,22 +192,14 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         # The policy contract's probe: the final evaluation beside the SFT policy's means.
         probe = final.assign(sft_response_tokens_mean=baseline["response_tokens"].mean(),
                              sft_perplexity_mean=baseline["perplexity"].mean())
-        out = tracker.workdir / "model"
         policy = trainer.actor.module
-        policy.config.use_cache = True
-        policy.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        tracker.log_artifacts(out, "model")
-        shutil.rmtree(out)
-        lineage = {
-            "rlhf.input.sft_model": inputs["sft_model"],
-            "rlhf.input.reward_model": inputs["reward_model"],
-            "rlhf.input.critic_model": inputs.get("critic_model", ""),
-            **tracker.provenance(inputs, cfg.stage_hash("ppo")),
-            "rlhf.ppo_preset": ppo.preset,
-        }
-        version = tracker.register("policy", "model", cfg.registry_prefix, lineage)
-        outputs = {"policy_model": version, "policy_model_artifact": tracker.artifact_uri("model"),
-                   "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
+
+        def save(out: Path) -> None:
+            policy.config.use_cache = True
+            policy.save_pretrained(out, safe_serialization=True)
+            tokenizer.save_pretrained(out)
+
+        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, lineage={"rlhf.ppo_preset": ppo.preset})
+        outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
     return outputs

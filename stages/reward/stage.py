@@ -4,7 +4,6 @@ LM loss in dynamic token batches, evaluated on rm_eval, saved and registered as 
 from __future__ import annotations
 
 import itertools
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,23 +208,15 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         histogram = tracker.workdir / "margin_histogram.png"
         margin_histogram(scores.margins, histogram)
         tracker.log_artifact(histogram, "eval")
-        tracker.client.log_table(tracker.run_id, data=worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
-                                 artifact_file="eval/worst_pairs.json")
+        tracker.log_table(worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS), "eval/worst_pairs.json")
         probe_uri = tracker.log_probe(scores.probe(heldout_rows), "reward_probe")
-        out = tracker.workdir / "model"
-        save_reward_model(engine.module, tokenizer, out, {"heldout_pairs": len(heldout),
-                                                           "heldout_accuracy": metrics["eval/accuracy"]})
-        tracker.log_artifacts(out, "model")
-        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
-        lineage = {
-            "rlhf.input.sft_model": inputs["sft_model"],
-            **tracker.provenance(inputs, cfg.stage_hash("reward")),
-            "rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
-            "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
-            "rlhf.score_std": f"{metrics['eval/score_std']:.6g}",
-        }
-        version = tracker.register("reward", "model", cfg.registry_prefix, lineage)
-        outputs = {"reward_model": version, "reward_model_artifact": tracker.artifact_uri("model"),
-                   "reward_run": tracker.run_id, "reward_probe": probe_uri}
+        published = tracker.publish_model(
+            lambda out: save_reward_model(engine.module, tokenizer, out, {"heldout_pairs": len(heldout),
+                                                                           "heldout_accuracy": metrics["eval/accuracy"]}),
+            cfg=cfg, inputs=inputs,
+            lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
+                     "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
+                     "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"})
+        outputs = {**published, "reward_run": tracker.run_id, "reward_probe": probe_uri}
     dist.barrier()
     return outputs
