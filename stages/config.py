@@ -328,7 +328,7 @@ class PPOConfig(_Section):
                           "both, gradient_clipping 1.0).")
     ptx: bool | None = Field(None, description="PPO-ptx: + λ_ptx · LM loss on SFT data (paper eq. 17; MOSS: "
                                                "use_ppo_pretrain_loss, not set in its train_ppo_*.sh).")
-    eos_penalty: bool | None = Field(None, description="A response without EOS gets the lowest shaped score "
+    eos_penalty: bool | None = Field(None, description="A response without EOS scores κσ below the running mean "
                                                        "(eos_penalty_sigmas). ours: a cut response must not "
                                                        "outscore a finished one.")
 
@@ -375,11 +375,14 @@ class PPOConfig(_Section):
         None, description="Clip of the advantages; None: off. ours: off; MOSS: advantage_clip 0.5 when its "
                           "use_advantage_clip switch is on (not set in its train_ppo_*.sh).")
     eos_penalty_sigmas: float = Field(
-        10.0,
+        3.0,
         description="A response without EOS scores μ − κσ on the running statistics of the RM's own scores, "
-                    "shaped like any score: −κ (clipped to −δ) when normalised. κ = δ by default, the lowest shaped "
-                    "score there is, so a cut response ranks below every finished one whatever the RM's offset. "
-                    "(The penalty never enters the running statistics.) ours: κ = δ, for that ranking.")
+                    "shaped like any score: −κ when normalised (clipped to −δ), whatever the RM's offset. (The "
+                    "penalty never enters the running statistics.) ours: κ = 3 ranks a cut response below all but "
+                    "the finished ones more than 3σ under the mean, on the scale of the normalised scores; κ = δ "
+                    "(10) makes the ranking certain but puts 10σ outliers into the returns: with κ = 10 the demo's "
+                    "critic ended pre-training at value loss 6.4 (≈ 0.7 before this penalty existed). "
+                    "MOSS has no such penalty (it logs a warning for a response without EOS).")
     ptx_coef: float = Field(
         0.5,
         description="λ_ptx, weight of the per-token mean LM loss. ours: untuned, without a source since the first "

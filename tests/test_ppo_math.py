@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages.ppo.advantages import gae, masked_whiten
-from stages.config import ConfigError, load_config
+from stages.config import ConfigError, PPOConfig, load_config
 from stages.ppo.losses import entropy, kl_loss, policy_loss, value_loss
 from stages.ppo.rewards import (
     RunningMoments, eos_penalty_scores, kl_estimate, reparameterise_scores, shape_scores, token_rewards,
@@ -107,7 +107,7 @@ def test_eos_penalty_in_shaped_units_ranks_a_truncated_response_last(offset, sca
     raw = offset + scale * (torch.tensor([-3.2, -2.9, -3.1, own_score]) + 3.0)
     ended = torch.tensor([True, True, True, False])
     moments = RunningMoments(mean=offset, var=scale**2, count=1.0)  # the RM's held-out statistics
-    shaped = shape_scores(raw, ended, moments, mode=mode, clip=10.0, eos_penalty_sigmas=10.0)
+    shaped = shape_scores(raw, ended, moments, mode=mode, clip=10.0, eos_penalty_sigmas=PPOConfig().eos_penalty_sigmas)
     assert shaped[3] < shaped[:3].min(), shaped
     expected = RunningMoments(mean=offset, var=scale**2, count=1.0)
     if mode != "none":
@@ -115,7 +115,7 @@ def test_eos_penalty_in_shaped_units_ranks_a_truncated_response_last(offset, sca
     assert (moments.mean, moments.var, moments.count) == pytest.approx((expected.mean, expected.var, expected.count))
 
 
-def test_eos_penalty_at_the_papers_clip_is_minus_delta():
+def test_eos_penalty_of_delta_sigmas_is_the_clip_floor():
     moments = RunningMoments(mean=-3.0, var=0.01, count=100)
     shaped = shape_scores(torch.tensor([-3.1, 5.0]), torch.tensor([True, False]), moments, mode="normalise",
                           clip=10.0, eos_penalty_sigmas=10.0, update_moments=False)
