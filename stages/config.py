@@ -319,8 +319,10 @@ class PPOConfig(_Section):
         None, description="r, r/σ, clip((r−μ)/σ, ±δ). paper §5.3, score reparameterisation (MOSS: "
                           "use_reward_scaling, use_reward_norm, use_reward_clip).")
     kl_penalty: bool | None = Field(None, description="Token-level −β·KL in the reward (paper eq. 1–2).")
-    whiten_advantages: bool | None = Field(None, description="Normalise the advantages. paper §5.3 (MOSS: "
-                                                             "use_advantage_norm).")
+    whiten_advantages: bool | None = Field(
+        None, description="Normalise the advantages over each minibatch. paper §5.3 (MOSS: use_advantage_norm). "
+                          "Applies to the estimators registered with whiten_switch (gae); grpo and reinforce++ "
+                          "normalise by their own definition, rloo not at all.")
     value_clip: bool | None = Field(None, description="Clipped value loss with ε_v. paper §5.3 (MOSS: "
                                                       "use_critic_loss_clip).")
     global_grad_clip: bool | None = Field(
@@ -331,10 +333,32 @@ class PPOConfig(_Section):
     eos_penalty: bool | None = Field(None, description="A response without EOS scores κσ below the running mean "
                                                        "(eos_penalty_sigmas). ours: a cut response must not "
                                                        "outscore a finished one.")
+    advantage_estimator: str = Field(
+        "gae",
+        description="How advantages are estimated, by name in stages/ppo/advantages.py's registry "
+                    "(register_advantage_estimator). `gae`: GAE on the critic's values (paper §5.3.2, eq. 3; "
+                    "PPO-max). No critic (none is loaded, trained or checkpointed): `grpo`, each sequence's reward "
+                    "normalised within its prompt's group, (r − mean) / (std + ε) (GRPO, DeepSeekMath, Shao et al. "
+                    "2024); `rloo`, r minus the mean reward of the prompt's other samples (RLOO, Ahmadian et al. "
+                    "2024); `reinforce++`, the token rewards' discounted return-to-go whitened over the global "
+                    "batch (REINFORCE++, Hu 2025; OpenRLHF's advantage_estimator reinforce++). grpo and rloo need "
+                    "samples_per_prompt ≥ 2; their sequence reward is the shaped score, less β·Σ KL_t when the KL "
+                    "penalty is in the reward (GRPO puts it in the loss: kl_penalty_in=loss, k3).")
+    samples_per_prompt: int = Field(
+        1, ge=1,
+        description="Group size k: an iteration rolls out rollout_batch_size / k distinct prompts, each sampled k "
+                    "times (adjacent rows, one group), so the rollout's size and cost stay those of k = 1. grpo and "
+                    "rloo compare a prompt's samples and need k ≥ 2 (DeepSeekMath: 64 per question; RLOO: k = 2 "
+                    "or 4). ours: 1, PPO-max samples each prompt once.")
+    policy_loss: str = Field(
+        "ppo_clip",
+        description="The policy loss, by name in stages/ppo/losses.py's registry (register_policy_loss). "
+                    "`ppo_clip`: the clipped surrogate with clip_eps (paper §5.3.3; MOSS: pg_clip).")
 
     iterations: int = Field(100, description="Rollout + update rounds. ours: presets size it to the hardware.")
-    rollout_batch_size: int = Field(128, description="Prompts per iteration and rank (paper: small buffer of 128; "
-                                                     "MOSS: num_rollouts 128).")
+    rollout_batch_size: int = Field(128, description="Rollouts per iteration and rank: rollout_batch_size / "
+                                                     "samples_per_prompt prompts, each sampled samples_per_prompt "
+                                                     "times (paper: small buffer of 128; MOSS: num_rollouts 128).")
     minibatch_size: int = Field(32, description="Rollouts per optimiser step (paper: train batch 32; MOSS: "
                                                 "batch_size 32).")
     ppo_epochs: int = Field(1, description="Passes over each rollout buffer. ours: one pass keeps the update "
@@ -365,7 +389,7 @@ class PPOConfig(_Section):
                     "policy gradient is ∇KL there), or `loss`, a KL loss term added to the policy loss (k2: "
                     "∇KL(π‖π_SFT); k3: ∇KL(π_SFT‖π), as GRPO and OpenRLHF's use_kl_loss; k1's expected gradient "
                     "there is 0). MOSS: reward.")
-    gamma: float = Field(1.0, description="GAE discount γ. MOSS: gamma 1.")
+    gamma: float = Field(1.0, description="Discount γ of GAE and of reinforce++'s return-to-go. MOSS: gamma 1.")
     lam: float = Field(0.95, description="GAE λ. MOSS: lam 0.95.")
     clip_eps: float = Field(0.2, description="ε of the clipped surrogate. MOSS: pg_clip 0.2.")
     value_clip_eps: float = Field(0.2, description="ε_v. MOSS: value_clip 0.2.")
@@ -436,6 +460,27 @@ class PPOConfig(_Section):
                 "kl_estimator=k1 as a loss term: its expected gradient on the policy's own samples is "
                 "E[∇log π] = 0, so it constrains nothing. Use kl_penalty_in=loss with k2 or k3, or "
                 "kl_penalty_in=reward with k1")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithms_are_registered_and_fit_the_groups(self) -> PPOConfig:
+        k = self.samples_per_prompt
+        if self.rollout_batch_size % k:
+            raise ValueError(f"rollout_batch_size={self.rollout_batch_size} is not a multiple of samples_per_prompt={k}: "
+                             f"an iteration rolls out rollout_batch_size / samples_per_prompt prompts, each "
+                             f"samples_per_prompt times")
+        # The registries import torch: the defaults (gae with any k, ppo_clip) are checked without them.
+        if self.advantage_estimator != "gae":
+            from stages.ppo.advantages import advantage_estimator
+
+            needed = advantage_estimator(self.advantage_estimator).min_samples_per_prompt
+            if k < needed:
+                raise ValueError(f"advantage_estimator={self.advantage_estimator} compares the samples of one prompt: "
+                                 f"it needs samples_per_prompt ≥ {needed} (got {k}); e.g. ppo.samples_per_prompt=4")
+        if self.policy_loss != "ppo_clip":
+            from stages.ppo.losses import registered_policy_loss
+
+            registered_policy_loss(self.policy_loss)
         return self
 
     def switches(self) -> dict:

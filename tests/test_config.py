@@ -129,3 +129,40 @@ def test_explain_tells_preset_from_override(capsys):
     lines = _explain(capsys, "--preset", "tiny", "--set", "ppo.kl_coef=0.1")
     assert "(default 0.05, --set)" in lines["ppo.kl_coef"]
     assert "preset tiny)" in lines["sft.lr"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ppo.advantage_estimator=grpo"], r"advantage_estimator=grpo compares the samples of one prompt: it needs "
+                                           r"samples_per_prompt ≥ 2 \(got 1\)"),
+        (["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=1"], "needs samples_per_prompt ≥ 2"),
+        (["ppo.advantage_estimator=a2c"], r"unknown advantage estimator 'a2c'; registered: gae, grpo, reinforce\+\+, "
+                                          r"rloo"),
+        (["ppo.policy_loss=dpo"], "unknown policy loss 'dpo'; registered: .*ppo_clip"),
+        (["ppo.rollout_batch_size=30", "ppo.samples_per_prompt=4"], "rollout_batch_size=30 is not a multiple of "
+                                                                   "samples_per_prompt=4"),
+    ],
+)
+def test_advantage_estimator_policy_loss_and_group_size_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+def test_critic_free_estimators_load_with_their_group_size():
+    for name, k in (("grpo", 4), ("rloo", 2), ("reinforce++", 1), ("gae", 4)):
+        ppo = load_config("tiny", [f"ppo.advantage_estimator={name}", f"ppo.samples_per_prompt={k}"]).ppo
+        assert (ppo.advantage_estimator, ppo.samples_per_prompt) == (name, k)
+    default = PPOConfig()
+    assert (default.advantage_estimator, default.samples_per_prompt, default.policy_loss) == ("gae", 1, "ppo_clip")
+
+
+def test_the_default_config_loads_without_torch():
+    """The registries live with the torch code; the defaults are checked without importing them."""
+    import subprocess
+    import sys
+
+    code = "import sys; from stages.config import load_config; load_config('tiny'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=config_module.REPO_ROOT, env={**os.environ, "PYTHONPATH": str(config_module.REPO_ROOT)})
+    assert out.stdout.strip() == "False"

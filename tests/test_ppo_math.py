@@ -261,3 +261,110 @@ def test_the_joint_clip_gives_torchs_clipped_gradients_over_both_engines(max_nor
     assert (norm > max_norm) == (max_norm == 0.5)
     for ours, theirs in zip((p for m in models for p in m.parameters()), (p for m in twins for p in m.parameters())):
         assert torch.equal(ours.grad, theirs.grad)
+
+
+# -- advantage estimators and policy losses, through their registries ----------------------------
+def _estimate(name, rewards, mask, groups, values=None, all_reduce_sum=None, **ppo):
+    from stages.config import PPOConfig
+    from stages.ppo.advantages import AdvantageInputs, advantage_estimator
+
+    values = None if values is None else torch.tensor(values)
+    inputs = AdvantageInputs(torch.tensor(rewards), torch.tensor(mask), values, torch.tensor(groups), PPOConfig(**ppo),
+                             all_reduce_sum)
+    return advantage_estimator(name).fn(inputs)
+
+
+def _close(tensor, expected, atol=1e-6):
+    torch.testing.assert_close(tensor, torch.tensor(expected, dtype=tensor.dtype), rtol=1e-5, atol=atol)
+
+
+# Five rows in two groups (labels 5 and 2: any labels do), response masks of 2, 3, 1, 3 and 2 tokens.
+# Token rewards = −β·KL_t plus the score on the last token; a sequence's reward is their sum:
+#   row 0: −0.5 + 0.5 = 0;  row 1: 0 − 1 + 3 = 2;  row 2: 4;    (group 5: 0, 2, 4)
+#   row 3: 0 + 0 + 1 = 1;   row 4: 0.25 + 2.75 = 3              (group 2: 1, 3)
+GROUP_REWARDS = [[-0.5, 0.5, 0.0], [0.0, -1.0, 3.0], [4.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.25, 2.75, 0.0]]
+GROUP_MASK = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+GROUPS = [5, 5, 5, 2, 2]
+
+
+def test_grpo_hand_computed():
+    # group 5: mean 2, std (n − 1) = √((4 + 0 + 4) / 2) = 2 → (r − 2) / 2 = −1, 0, 1
+    # group 2: mean 2, std = √((1 + 1) / 1) = √2 → ∓1/√2; each row's value on all its response tokens
+    a, returns = _estimate("grpo", GROUP_REWARDS, GROUP_MASK, GROUPS, samples_per_prompt=2)
+    s = 1 / math.sqrt(2)
+    _close(a, [[-1, -1, 0], [0, 0, 0], [1, 0, 0], [-s, -s, -s], [s, s, 0]])
+    assert returns is None
+    # A group of equal rewards has std 0: (r − mean) / (0 + ε) = 0. A group of one gets 0 too.
+    a, _ = _estimate("grpo", [[1.0, 2.0], [3.0, 0.0], [7.0, 0.0]], [[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]], [0, 0, 1],
+                     samples_per_prompt=2)
+    assert a.tolist() == [[0, 0], [0, 0], [0, 0]]
+
+
+def test_rloo_hand_computed():
+    # r_i − mean of the others: group 5: 0 − (2 + 4)/2 = −3, 2 − (0 + 4)/2 = 0, 4 − (0 + 2)/2 = 3;
+    # group 2: 1 − 3 = −2, 3 − 1 = 2 (= k/(k−1) · (r − mean), k = 3: 3/2 · (−2, 0, 2))
+    a, returns = _estimate("rloo", GROUP_REWARDS, GROUP_MASK, GROUPS, samples_per_prompt=2)
+    _close(a, [[-3, -3, 0], [0, 0, 0], [3, 0, 0], [-2, -2, -2], [2, 2, 0]])
+    assert returns is None
+    a, _ = _estimate("rloo", [[5.0]], [[1.0]], [0], samples_per_prompt=2)  # no other sample: no signal
+    assert a.tolist() == [[0.0]]
+
+
+def test_reinforce_plus_plus_hand_computed():
+    # γ = 0.5. Row 0 (3 tokens): G_2 = 3, G_1 = −0.5 + 0.5·3 = 1, G_0 = 2.5 + 0.5·1 = 3.
+    # Row 1 (1 token, then pads): G_0 = 1. The KL terms are in r_t; λ and the values play no part.
+    rewards, mask = [[2.5, -0.5, 3.0], [1.0, 0.0, 0.0]], [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    a, returns = _estimate("reinforce++", rewards, mask, [0, 1], gamma=0.5, lam=0.0)
+    assert returns.tolist() == [[3, 1, 3], [1, 0, 0]]
+    # Whitened over the batch's 4 response tokens {3, 1, 3, 1}: mean 2, std 1 → ±1; pads stay 0
+    _close(a, [[1, -1, 1], [-1, 0, 0]])
+    # Two ranks, row 1 on the other one: the sums [tokens, ΣG] and then Σ(G − mean)² take in its
+    # [1, 1] and (1 − 2)² = 1, and row 0 is whitened on the global batch's mean and std as above.
+    other_rank = iter([[1.0, 1.0], [1.0]])
+    a, _ = _estimate("reinforce++", rewards[:1], mask[:1], [0], gamma=0.5,
+                     all_reduce_sum=lambda sums: [x + y for x, y in zip(sums, next(other_rank))])
+    _close(a, [[1, -1, 1]])
+
+
+def test_gae_through_the_registry_is_gae():
+    # The hand-computed case of test_gae_hand_computed: A = [0.125, 0.75], R = [0.625, 1.0]
+    a, r = _estimate("gae", [[0.0, 1.0]], [[1.0, 1.0]], [0], values=[[0.5, 0.25]], gamma=1.0, lam=0.5)
+    assert a.tolist() == [[0.125, 0.75]] and r.tolist() == [[0.625, 1.0]]
+
+
+def test_registry_entries_say_which_estimators_need_a_critic():
+    from stages.config import PPOConfig
+    from stages.ppo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+
+    assert {name: e.needs_critic for name, e in ADVANTAGE_ESTIMATORS.items()} == {
+        "gae": True, "grpo": False, "rloo": False, "reinforce++": False}
+    assert needs_critic(PPOConfig()) and not needs_critic(PPOConfig(advantage_estimator="reinforce++"))
+    assert not needs_critic(PPOConfig(advantage_estimator="grpo", samples_per_prompt=2))
+
+
+def test_ppo_clip_through_the_registry_is_the_clipped_surrogate():
+    from stages.config import PPOConfig
+    from stages.ppo.losses import registered_policy_loss
+
+    # The hand-computed case of test_policy_loss_hand_computed: ρ = [1.5, 0.5], A = 1, ε = 0.2 → −0.85
+    loss, stats = registered_policy_loss("ppo_clip")(torch.log(torch.tensor([[1.5, 0.5]])), torch.zeros(1, 2),
+                                                     torch.ones(1, 2), torch.ones(1, 2), PPOConfig(clip_eps=0.2))
+    assert loss.item() == pytest.approx(-0.85) and stats["clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
+    """One function and the decorator, in this test: `ppo.advantage_estimator=<its name>` loads."""
+    from stages.ppo import advantages
+
+    monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))  # undone after
+
+    @advantages.register_advantage_estimator("toy", needs_critic=False, min_samples_per_prompt=3)
+    def toy(inputs):
+        return advantages.sequence_rewards(inputs)[:, None] * inputs.mask, None
+
+    cfg = load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=4"])
+    assert cfg.ppo.advantage_estimator == "toy" and not advantages.needs_critic(cfg.ppo)
+    with pytest.raises(ConfigError, match="advantage_estimator=toy .* needs samples_per_prompt ≥ 3"):
+        load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=2"])
+    with pytest.raises(ValueError, match="registered already"):
+        advantages.register_advantage_estimator("toy", needs_critic=False)(toy)

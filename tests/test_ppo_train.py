@@ -212,3 +212,114 @@ def test_ptx_data_reads_a_separate_text_dataset(tiny, tmp_path):
     corpus.write_text('{"text": "fine"}\n{"title": "no text"}\n')
     with pytest.raises(DataError, match=r"corpus.jsonl, row 2: .*`text`"):
         ptx_examples(cfg, tokenizer, tmp_path)
+
+
+# -- critic-free advantage estimators (stages/ppo/advantages.py) ---------------------------------
+@pytest.mark.parametrize("estimator, k", [("grpo", 4), ("rloo", 4), ("reinforce++", 1)])
+def test_a_critic_free_estimator_raises_a_rule_reward_without_a_critic(tiny, tmp_path, estimator, k):
+    trainer = make_trainer(tiny, f"ppo.advantage_estimator={estimator}", f"ppo.samples_per_prompt={k}", critic=None)
+    assert trainer.critic is None and trainer.engines() == [trainer.actor]
+    metrics = [trainer.step() for _ in range(30)]
+    scores = [m["objective/scores"] for m in metrics]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > first + 0.05, scores
+    last_metrics = metrics[-1]
+    assert not [name for name in last_metrics if name in ("loss/value_avg", "val/clipfrac_avg", "val/mean",
+                                                           "val/explained_variance")]
+    assert last_metrics["loss/policy_avg"] != 0 and math.isfinite(last_metrics["policy/grad_norm"])
+    # 32 rows: 32 / k prompts, each sampled k times in adjacent rows, one group index per prompt.
+    exp = trainer.last_experience
+    assert exp.groups.tolist() == [i // k for i in range(32)]
+    cursor, rows = trainer.cursor, trainer.next_prompts()
+    assert len(rows) == 32 and all(rows[i] == rows[i - i % k] for i in range(32))
+    assert trainer.cursor in (cursor + 32 // k, 32 // k)  # (or a new pass began)
+    # No critic in the checkpoint; it resumes into a critic-free trainer.
+    saved = checkpoint.save(trainer, tmp_path)
+    files = {p.name for p in saved.iterdir()}
+    assert "actor.safetensors" in files and not [name for name in files if name.startswith("critic")]
+    resumed = make_trainer(tiny, f"ppo.advantage_estimator={estimator}", f"ppo.samples_per_prompt={k}", critic=None)
+    checkpoint.load(resumed, saved)
+    assert resumed.iteration == 30 and resumed.critic is None
+
+
+def test_a_critic_exactly_when_the_estimator_needs_one(tiny):
+    with pytest.raises(ValueError, match="advantage_estimator=reinforce\\+\\+ needs no critic"):
+        make_trainer(tiny, "ppo.advantage_estimator=reinforce++")  # make_trainer's default builds one
+    with pytest.raises(ValueError, match="advantage_estimator=gae needs a critic"):
+        make_trainer(tiny, critic=None)
+    with pytest.raises(ValueError, match="no critic stage to run"):
+        make_trainer(tiny, "ppo.advantage_estimator=reinforce++", critic=None, train_actor=False)
+    pretraining = make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8",
+                               "ppo.generation.max_new_tokens=8", train_actor=False)  # gae: its critic alone
+    assert pretraining.engines() == [pretraining.critic] and "loss/value_avg" in pretraining.step()
+
+
+def test_without_a_critic_one_minibatch_reuses_the_prefill_for_the_same_update(tiny):
+    """One epoch, one minibatch, no critic: the minibatch is the whole experience with the actor's
+    prefill graph (`prompt_pass_in_training`); the same update as the plain forward."""
+    results = []
+    for reuse in (True, False):
+        trainer = make_trainer(tiny, "ppo.advantage_estimator=reinforce++", "ppo.rollout_batch_size=8",
+                               "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
+                               "ppo.generation.max_new_tokens=8", critic=None)
+        assert trainer.prompt_pass_in_training and not trainer.values_in_training
+        trainer.prompt_pass_in_training = reuse
+        metrics = trainer.step()
+        assert trainer.last_experience.prompt_pass is None
+        results.append((metrics, [p.detach().clone() for p in trainer.actor.module.parameters()]))
+    (reused, actor_a), (plain, actor_b) = results
+    for name in ("loss/policy_avg", "policy/approxkl_avg", "policy/grad_norm"):
+        assert reused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
+    assert reused["policy/grad_norm"] > 0
+    for a, b in zip(actor_a, actor_b):  # 1 % of an Adam step: the same update (test_ppo_fast_paths)
+        assert torch.allclose(a, b, atol=0.01 * trainer.ppo.actor_lr), (a - b).abs().max()
+
+
+def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeypatch):
+    """Adding an estimator or a policy loss is one function with its decorator: here, in this test,
+    plain REINFORCE (the sequence reward on every token, no baseline) and an unclipped surrogate."""
+    from stages.ppo import advantages, losses
+
+    monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
+
+    @advantages.register_advantage_estimator("toy_reinforce", needs_critic=False)
+    def toy_reinforce(inputs):
+        return advantages.sequence_rewards(inputs)[:, None] * inputs.mask, None
+
+    @losses.register_policy_loss("toy_unclipped")
+    def toy_unclipped(logprobs, old_logprobs, adv, mask, ppo):
+        ratio = torch.exp(logprobs - old_logprobs)
+        return -masked_mean(ratio * adv, mask), {"ratio_max": ratio.detach().max()}
+
+    trainer = make_trainer(tiny, "ppo.advantage_estimator=toy_reinforce", "ppo.policy_loss=toy_unclipped",
+                           "ppo.rollout_batch_size=8", "ppo.minibatch_size=4", "ppo.generation.max_new_tokens=8",
+                           critic=None)
+    trainer.step()
+    second = trainer.step()
+    assert trainer.critic is None and second["policy/ratio_max_avg"] >= 1.0
+    assert all(math.isfinite(v) for v in second.values()) and "loss/value_avg" not in second
+
+
+def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
+    """The stage's load_models: the reward model always (scores, initial statistics), the critic
+    only for an estimator that needs one; prepare fetches no critic for one that does not."""
+    from stages.ppo import stage
+
+    folder, _, _ = tiny
+    loaded = []
+
+    def fake_reward_model(path, model_cfg):
+        loaded.append(path)
+        return RewardModel(load_model(folder, model_cfg))
+
+    monkeypatch.setattr(stage, "load_reward_model", fake_reward_model)
+    monkeypatch.setattr(stage.tracking, "download", lambda uri: f"local/{uri}")
+    inputs = {"sft_model_dir": folder, "reward_model_dir": "rm", "critic_model_dir": "critic"}
+    for estimator, expected in (("gae", ["rm", "critic"]), ("reinforce++", ["rm"])):
+        loaded.clear()
+        cfg = load_config("tiny", [f"ppo.advantage_estimator={estimator}"])
+        *_, critic, _ = stage.load_models(cfg, inputs, Dist())
+        assert loaded == expected and (critic is None) == (estimator == "reinforce++")
+        local = stage.prepare(cfg, {"splits": "s", "sft_model": "m", "reward_model": "r", "critic_model": "c"})
+        assert ("critic_model_dir" in local) == (estimator == "gae")

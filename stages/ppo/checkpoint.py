@@ -1,6 +1,6 @@
-"""PPO checkpoints (design §4.7): actor, critic, both optimisers and schedulers, running moments,
-RNG states (each rank's torch CPU and CUDA generators), data cursor and iteration — written
-atomically, verified before loading.
+"""PPO checkpoints (design §4.7): actor, critic (none with a critic-free advantage estimator), their
+optimisers and schedulers, running moments, RNG states (each rank's torch CPU and CUDA
+generators), data cursor and iteration — written atomically, verified before loading.
 
 Layout: `<dir>/iter-000010/` holding `manifest.json` (sha256 of every file) and the files; a
 checkpoint is written into a temporary folder and renamed into place, so a crash mid-write leaves
@@ -26,7 +26,9 @@ MANIFEST = "manifest.json"
 
 
 def _engine_states(trainer) -> dict[str, object]:
-    engines = {"critic": trainer.critic}
+    """The engines a checkpoint holds: the critic, if the advantage estimator has one, and the actor
+    unless frozen."""
+    engines = {"critic": trainer.critic} if trainer.critic is not None else {}
     if trainer.train_actor:
         engines["actor"] = trainer.actor
     return engines

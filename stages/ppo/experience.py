@@ -29,7 +29,7 @@ class Experience:
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # log π_old(a_j | s_j)
     ref_logprobs: torch.Tensor  # log π_SFT(a_j | s_j)
-    values: torch.Tensor | None  # V_old(s_j); None until the training forward fills it in
+    values: torch.Tensor | None  # V_old(s_j); None until the training forward fills it in, or without a critic
     scores: torch.Tensor  # [B] raw score r(x, y)
     # log π_old and log π_SFT at T = 1, the models' own distributions: their perplexities (the
     # paper's collapse indicator). The same tensors as logprobs / ref_logprobs when T = 1.
@@ -39,6 +39,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    groups: torch.Tensor | None = None  # [B] long: rows with one index are samples of one prompt (adjacent rows)
     seconds: dict[str, float] | None = None  # wall time of each rollout phase, for time/* metrics and bench/
     prompt_pass: PromptPass | None = None  # the actor's prefill with its graph, for a training forward of the same weights
 
@@ -72,12 +73,13 @@ def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: t
 
 
 @torch.no_grad()
-def make_experience(actor, reference, critic: RewardModel, score_fn, prompts: list[list[int]], *, eos_id: int,
+def make_experience(actor, reference, critic: RewardModel | None, score_fn, prompts: list[list[int]], *, eos_id: int,
                     pad_id: int, generation: dict, with_values: bool = True, keep_prompt_graph: bool = False,
                     mixed_precision: str = "none", device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
     `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores.
-    with_values=False leaves V_old to the training step, which computes it in its own forward;
+    with_values=False leaves V_old to the training step, which computes it in its own forward (or,
+    critic None, to no one);
     keep_prompt_graph keeps the actor's prefill with its graph for that step (`Experience.prompt_pass`)."""
     lap = Laps(device)
     rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device,

@@ -1,13 +1,23 @@
 """PPO losses (paper §5.3.3): clipped surrogate, clipped value loss, PPO-ptx, entropy, and the KL
-penalty as a loss term (`ppo.kl_penalty_in=loss`)."""
+penalty as a loss term (`ppo.kl_penalty_in=loss`).
+
+Policy losses are registered by name (`ppo.policy_loss`), one function of one signature each,
+`fn(logprobs, old_logprobs, advantages, mask, ppo) -> (loss, stats)`: adding one is one function
+with `@register_policy_loss(name)`. Built in: `ppo_clip`, the clipped surrogate."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from stages.ppo.advantages import masked_mean
 from stages.ppo.rewards import KLEstimator, kl_estimate
 from stages.sft import shifted_nll
+
+if TYPE_CHECKING:
+    from stages.config import PPOConfig
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -29,6 +39,44 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         "ratio_var": masked_mean((ratio.detach() - masked_mean(ratio.detach(), mask)) ** 2, mask),
     }
     return -masked_mean(surrogate, mask), stats
+
+
+# (log π_θ, log π_old, advantages, response mask, the PPO config) → (the loss to minimise, its
+# statistics: scalars, logged as POLICY_STAT_NAMES says, or as policy/<name>_avg)
+PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "PPOConfig"],
+                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+# Metric names of the statistics `ppo_clip` returns (TRL's names).
+POLICY_STAT_NAMES = {"approxkl": "policy/approxkl_avg", "clipfrac": "policy/clipfrac_avg", "ratio": "val/ratio",
+                     "ratio_var": "val/ratio_var"}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register `fn` as `ppo.policy_loss=<name>`."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"a policy loss named {name!r} is registered already")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def registered_policy_loss(name: str) -> PolicyLossFn:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}") from None
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  ppo: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate (paper §5.3.3) with ε = `ppo.clip_eps`: `policy_loss`."""
+    return policy_loss(logprobs, old_logprobs, advantages, mask, ppo.clip_eps)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -1,6 +1,7 @@
 """The PPO stage: actor and reference from the SFT model, reward model and critic (pre-trained,
-else initialised from the reward model), PPO-max iterations with checkpoints, held-out
-evaluation, sample tables; the final policy registered as <prefix>-policy."""
+else initialised from the reward model; none when the advantage estimator needs none), PPO-max
+iterations with checkpoints, held-out evaluation, sample tables; the final policy registered as
+<prefix>-policy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from stages.config import PipelineConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
-from stages.ppo.advantages import masked_mean
+from stages.ppo.advantages import masked_mean, needs_critic
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer, warmup_steps
@@ -29,7 +30,7 @@ def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     local = {"splits_dir": str(tracking.download(inputs["splits"])),
              "sft_model_dir": str(tracking.download(inputs["sft_model"])),
              "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
-    if inputs.get("critic_model"):
+    if inputs.get("critic_model") and needs_critic(cfg.ppo):
         local["critic_model_dir"] = str(tracking.download(inputs["critic_model"]))
     return local
 
@@ -41,14 +42,17 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_len: int) -> list[lis
 
 
 def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist):
-    """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode."""
+    """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode. The
+    critic is None when the advantage estimator needs none (the reward model still gives the scores,
+    or with a rule reward the initial score statistics)."""
     sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
     tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
     actor = sources.load_model(sft_dir, cfg.model).to(dist.device)
     sources.align_pad_token(actor, tokenizer)
     reference = sources.load_model(sft_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
     reward_model = load_reward_model(rm_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
-    critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
+    critic = (load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
+              if needs_critic(cfg.ppo) else None)
     score_fn = reward_model_scores(reward_model) if cfg.ppo.reward == "rm" else rule_scores(tokenizer, cfg.ppo.reward)
     return tokenizer, actor, reference, reward_model, critic, score_fn
 
@@ -138,7 +142,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
     eval_prompts = encode_prompts(tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
     ptx_source, ptx = ptx_examples(cfg, tokenizer, splits_dir) if ppo.switches()["ptx"] else ("off", [])
-    pretrained_critic = "critic_model_dir" in inputs
+    pretrained_critic = critic is not None and "critic_model_dir" in inputs
     moments = initial_moments(reward_model, critic if pretrained_critic else None)
     trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
                          ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=moments,
@@ -156,7 +160,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_params({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
                             "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
                             "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
-                            "ppo.critic_model": inputs.get("critic_model", "reward model"),
+                            "ppo.critic_model": (inputs.get("critic_model", "reward model") if critic is not None
+                                                 else "none"),
                             "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
                             "ppo.initial_moments": moments.state_dict()}
                            if resume_from is None else {})
@@ -199,7 +204,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             policy.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
 
-        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, lineage={"rlhf.ppo_preset": ppo.preset})
+        lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator}
+        if critic is None:  # a critic-free estimator read no critic, whatever the inputs held
+            lineage["rlhf.input.critic_model"] = ""
+        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, lineage=lineage)
         outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
     return outputs

@@ -1,5 +1,12 @@
-"""One PPO-max iteration, top to bottom: roll out, shape rewards, GAE, then PPO epochs over
-minibatches updating actor and critic. Every paper trick is read from `ppo.switches()`."""
+"""One PPO-max iteration, top to bottom: roll out, shape rewards, estimate advantages (GAE by
+default), then PPO epochs over minibatches updating actor and critic. Every paper trick is read
+from `ppo.switches()`; the advantage estimator and the policy loss are looked up by name in their
+registries (`ppo.advantage_estimator`, `ppo.policy_loss`). An estimator without a critic
+(grpo, rloo, reinforce++) trains the actor alone: critic=None.
+
+Groups (`ppo.samples_per_prompt` = k): an iteration's rollout_batch_size rows are
+rollout_batch_size / k distinct prompts, each repeated k times in adjacent rows, so an iteration
+costs the same whatever k; `Experience.groups` holds each row's group index."""
 
 from __future__ import annotations
 
@@ -13,10 +20,10 @@ import torch
 from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
-from stages.ppo.advantages import gae, masked_mean, masked_whiten
+from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_mean, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.ppo.generation import log_distribution, picked
-from stages.ppo.losses import entropy, kl_loss, policy_loss, ptx_loss, value_loss
+from stages.ppo.losses import POLICY_STAT_NAMES, entropy, kl_loss, ptx_loss, registered_policy_loss, value_loss
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
 from stages.sft import collate
 
@@ -47,12 +54,22 @@ class PPOTrainer:
                  ptx_examples: list, tokenizer, dist: Dist, moments: RunningMoments | None = None,
                  train_actor: bool = True, warmup: int = 0):
         """train_actor=False freezes the policy: critic pre-training (paper §5.4) with exactly
-        PPO's rollouts, reward shaping and GAE returns. warmup: lr warm-up steps (`warmup_steps`)."""
+        PPO's rollouts, reward shaping and GAE returns. warmup: lr warm-up steps (`warmup_steps`).
+        critic: None exactly when the advantage estimator needs none."""
         self.ppo, self.switches, self.dist, self.train_actor = ppo, ppo.switches(), dist, train_actor
+        self.estimator = advantage_estimator(ppo.advantage_estimator)
+        self.policy_loss = registered_policy_loss(ppo.policy_loss)
+        check_critic(ppo, critic, train_actor)
+        # The config checks these too; critic pre-training's copy of it is not validated again.
+        self.group_size = ppo.samples_per_prompt
+        if ppo.rollout_batch_size % self.group_size or self.group_size < self.estimator.min_samples_per_prompt:
+            raise ValueError(f"rollout_batch_size={ppo.rollout_batch_size} and samples_per_prompt={self.group_size}: "
+                             f"the groups must divide the rollout, and advantage_estimator={self.estimator.name} "
+                             f"needs samples_per_prompt ≥ {self.estimator.min_samples_per_prompt}")
         self.reference, self.score_fn, self.prompts, self.ptx_examples = reference, score_fn, prompts, ptx_examples
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.moments = moments or RunningMoments()
-        # Global clipping clips actor and critic together below; the engines then must not clip alone.
+        # Global clipping clips actor and critic (if any) together below; the engines must not clip alone.
         self.joint_clip = self.switches["global_grad_clip"] and train_actor
         engine_clip = math.inf if self.joint_clip else ppo.max_grad_norm
 
@@ -64,11 +81,12 @@ class PPOTrainer:
         self.actor = engine(actor, ppo.actor_lr, ppo.actor_weight_decay) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
         # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
         # value its training forward computes. The rollout then skips the critic's own forward.
-        self.values_in_training = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
+        one_update = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
+        self.values_in_training = one_update and critic is not None
         # Likewise the actor is unchanged: the prompt part of its training forward is the rollout's
         # prefill, kept with its graph. Not under autocast, which the sampling loop does not use.
-        self.prompt_pass_in_training = self.values_in_training and train_actor and ppo.autocast == "none"
-        self.critic = engine(critic, ppo.critic_lr, ppo.critic_weight_decay)
+        self.prompt_pass_in_training = one_update and train_actor and ppo.autocast == "none"
+        self.critic = engine(critic, ppo.critic_lr, ppo.critic_weight_decay) if critic is not None else None
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
         # One seeded stream per consumer: whether PPO-ptx draws examples or not, the prompts come
@@ -83,43 +101,57 @@ class PPOTrainer:
         return shuffled_order(len(self.prompts), self.rng)
 
     def next_prompts(self) -> list[list[int]]:
-        """This rank's prompts of the next iteration; a new seeded shuffle at each epoch end."""
-        size = self.ppo.rollout_batch_size
+        """This rank's rows of the next iteration: rollout_batch_size / k distinct prompts, each k
+        times in adjacent rows (k = samples_per_prompt); a new seeded shuffle at each epoch end."""
+        size = self.ppo.rollout_batch_size // self.group_size
         batch_span = size * self.dist.world_size
         if self.cursor + batch_span > len(self.order):
             self.order, self.cursor = self._shuffled(), 0
         start = self.cursor + self.dist.rank * size
         self.cursor += batch_span
-        return [self.prompts[i] for i in self.order[start : start + size]]
+        return [self.prompts[i] for i in self.order[start : start + size] for _ in range(self.group_size)]
 
     # -- one iteration ------------------------------------------------------------------------
     def rollout(self, prompts: list[list[int]], *, update_moments: bool = True, with_values: bool = True,
-                keep_prompt_graph: bool = False) -> tuple[Experience, torch.Tensor, float]:
-        """Roll out on `prompts`, shape the rewards and run GAE: (the experience with rewards, KL,
-        advantages and returns; the shaped scores; β). Held-out rollouts pass update_moments=False:
-        they are judged on the running score statistics without changing them. with_values=False
-        leaves V_old, and so GAE, to the training step (see `values_in_training`); keep_prompt_graph
-        keeps the actor's prefill for it (`prompt_pass_in_training`)."""
+                keep_prompt_graph: bool = False, group_size: int = 1) -> tuple[Experience, torch.Tensor, float]:
+        """Roll out on `prompts`, shape the rewards and estimate the advantages: (the experience with
+        rewards, KL, advantages and returns; the shaped scores; β). Held-out rollouts pass
+        update_moments=False: they are judged on the running score statistics without changing them.
+        with_values=False leaves V_old, and so GAE, to the training step (see `values_in_training`);
+        keep_prompt_graph keeps the actor's prefill for it (`prompt_pass_in_training`). group_size:
+        each `group_size` adjacent rows are samples of one prompt (`next_prompts`)."""
         ppo, sw = self.ppo, self.switches
-        exp = make_experience(self.actor.module, self.reference, self.critic.module, self.score_fn, prompts,
-                              eos_id=self.eos_id, pad_id=self.pad_id, generation=ppo.generation.model_dump(),
-                              with_values=with_values, keep_prompt_graph=keep_prompt_graph,
-                              mixed_precision=ppo.autocast, device=self.dist.device)
+        if len(prompts) % group_size or any(p != prompts[i - i % group_size] for i, p in enumerate(prompts)):
+            raise ValueError(f"the rows of a rollout come in groups of {group_size} adjacent copies of one prompt")
+        with_values = with_values and self.critic is not None
+        critic = self.critic.module if self.critic is not None else None
+        exp = make_experience(self.actor.module, self.reference, critic, self.score_fn, prompts, eos_id=self.eos_id,
+                              pad_id=self.pad_id, generation=ppo.generation.model_dump(), with_values=with_values,
+                              keep_prompt_graph=keep_prompt_graph, mixed_precision=ppo.autocast, device=self.dist.device)
+        exp.groups = torch.arange(len(prompts), device=exp.scores.device) // group_size
         # Score reparameterisation on running statistics of the RM's own scores, updated before use,
         # and the EOS penalty in the same units (§5.3.1).
         shaped = shape_scores(exp.scores, exp.ended_with_eos, self.moments, mode=sw["score_mode"], clip=ppo.score_clip,
                               eos_penalty_sigmas=ppo.eos_penalty_sigmas if sw["eos_penalty"] else None,
                               update_moments=update_moments,
                               all_reduce_sum=self.dist.all_reduce_sum if self.dist.distributed else None)
-        # Token rewards (eq. 1–2) and GAE (eq. 3). With kl_penalty_in=loss, β acts in the policy
-        # loss instead (`optimise`) and the reward is the score alone.
+        # Token rewards (eq. 1–2) and the advantages (GAE: eq. 3). With kl_penalty_in=loss, β acts in
+        # the policy loss instead (`optimise`) and the reward is the score alone.
         beta = ppo.kl_coef if sw["kl_penalty"] else 0.0
         reward_beta = beta if ppo.kl_penalty_in == "reward" else 0.0
         exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, reward_beta,
                                             ppo.kl_estimator)
-        if exp.values is not None:
-            exp.advantages, exp.returns = gae(exp.rewards, exp.values, exp.response_mask, ppo.gamma, ppo.lam)
+        if exp.values is not None or not self.estimator.needs_critic:
+            self.estimate_advantages(exp)
         return exp, shaped, beta
+
+    def estimate_advantages(self, exp: Experience) -> None:
+        """The one place the registered advantage estimator runs: in the rollout, or for GAE with
+        `values_in_training` in the training step, once V_old is known. Sets exp.advantages and
+        exp.returns (None without a critic to train)."""
+        inputs = AdvantageInputs(exp.rewards, exp.response_mask, exp.values, exp.groups, self.ppo,
+                                 self.dist.all_reduce_sum if self.dist.distributed else None)
+        exp.advantages, exp.returns = self.estimator.fn(inputs)
 
     def kl_loss_coef(self) -> float:
         """β of the KL loss term: kl_penalty_in=loss with the KL penalty switched on, else 0."""
@@ -128,7 +160,7 @@ class PPOTrainer:
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
         exp, shaped, beta = self.rollout(self.next_prompts(), with_values=not self.values_in_training,
-                                         keep_prompt_graph=self.prompt_pass_in_training)
+                                         keep_prompt_graph=self.prompt_pass_in_training, group_size=self.group_size)
         rollout_seconds = time.perf_counter() - started
 
         train_started = time.perf_counter()
@@ -160,10 +192,6 @@ class PPOTrainer:
             "policy/response_length": lengths.mean().item(),
             "policy/response_length_p90": float(np.percentile(lengths.cpu().numpy(), 90)),
             "val/num_eos_tokens": exp.ended_with_eos.sum().item(),
-            # No values when the update was skipped before the critic's forward (values_in_training).
-            "val/mean": masked_mean(exp.values, mask).item() if exp.values is not None else math.nan,
-            "val/explained_variance": (explained_variance(exp.values, exp.returns, mask)
-                                       if exp.values is not None else math.nan),
             "train/skipped_steps": self.guard.skipped,
             "reward/running_mean": self.moments.mean,
             "reward/running_std": self.moments.std,
@@ -173,6 +201,11 @@ class PPOTrainer:
             "time/train": time.perf_counter() - train_started,
             "eps": len(exp.scores) * self.dist.world_size / elapsed,
         }
+        # No values if the update was skipped before the critic's forward (values_in_training).
+        if self.critic is not None:
+            metrics["val/mean"] = masked_mean(exp.values, mask).item() if exp.values is not None else math.nan
+            metrics["val/explained_variance"] = (explained_variance(exp.values, exp.returns, mask)
+                                                 if exp.values is not None else math.nan)
         metrics = self.mean_across_ranks(metrics)
         metrics.update({"lr": (self.actor if self.train_actor else self.critic).lr_scheduler.get_last_lr()[0],
                         "episode": self.episode})
@@ -180,8 +213,9 @@ class PPOTrainer:
         return metrics
 
     def optimise(self, exp: Experience) -> dict[str, float]:
-        """PPO epochs over shuffled minibatches (§5.3.3): clipped surrogate + clipped value loss,
-        PPO-ptx, optional entropy bonus, one gradient-norm clip over actor and critic."""
+        """PPO epochs over shuffled minibatches (§5.3.3): the registered policy loss (the clipped
+        surrogate) + clipped value loss (with a critic), PPO-ptx, optional entropy bonus, one
+        gradient-norm clip over actor and critic (the actor alone without a critic)."""
         ppo, sw = self.ppo, self.switches
         sums: dict[str, float] = {}
         steps = 0
@@ -189,23 +223,30 @@ class PPOTrainer:
         for _ in range(ppo.ppo_epochs):
             order = torch.randperm(len(exp.scores))
             for start in range(0, len(order), ppo.minibatch_size):
-                mb = exp if exp.values is None else exp.rows(order[start : start + ppo.minibatch_size])
+                # The whole experience, in rollout order, when its advantages wait for this step's values
+                # (values_in_training) or, without a critic, when it keeps the actor's prefill for this step.
+                whole = exp.advantages is None or (self.critic is None and exp.prompt_pass is not None)
+                mb = exp if whole else exp.rows(order[start : start + ppo.minibatch_size])
                 mask = mb.response_mask
-                with autocast(self.dist.device, ppo.autocast):
-                    values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                if mb.values is None:  # values_in_training: V_old and GAE (eq. 3) from this very forward
-                    mb.values = values.detach() * mask
-                    mb.advantages, mb.returns = gae(mb.rewards, mb.values, mask, ppo.gamma, ppo.lam)
-                if sw["whiten_advantages"]:  # over the global minibatch: the same on 1 rank or N
+                step_stats: dict = {}
+                if self.critic is not None:
+                    with autocast(self.dist.device, ppo.autocast):
+                        values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                    if mb.values is None:  # values_in_training: V_old and GAE (eq. 3) from this very forward
+                        mb.values = values.detach() * mask
+                        self.estimate_advantages(mb)
+                if sw["whiten_advantages"] and self.estimator.whiten_switch:
+                    # over the global minibatch: the same on 1 rank or N
                     advantages = masked_whiten(mb.advantages, mask, all_reduce_sum=self.dist.all_reduce_sum)
                 else:
                     advantages = mb.advantages
                 if ppo.advantage_clip is not None:
                     advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
 
-                v_loss, v_stats = value_loss(values, mb.values, mb.returns, mask,
-                                             ppo.value_clip_eps if sw["value_clip"] else None)
-                step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
+                if self.critic is not None:
+                    v_loss, v_stats = value_loss(values, mb.values, mb.returns, mask,
+                                                 ppo.value_clip_eps if sw["value_clip"] else None)
+                    step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
 
                 if self.train_actor:
                     with autocast(self.dist.device, ppo.autocast):
@@ -213,7 +254,7 @@ class PPOTrainer:
                                                  mb.prompt_pass)
                     log_pi = log_distribution(logits, temperature)
                     logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
-                    pg_loss, pg_stats = policy_loss(logprobs, mb.logprobs, advantages, mask, ppo.clip_eps)
+                    pg_loss, pg_stats = self.policy_loss(logprobs, mb.logprobs, advantages, mask, ppo)
                     with torch.set_grad_enabled(ppo.entropy_coef != 0):  # else only a statistic: no backward
                         policy_entropy = masked_mean(entropy(log_pi), mask)
                     actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
@@ -226,29 +267,34 @@ class PPOTrainer:
                         with autocast(self.dist.device, ppo.autocast):
                             ptx = self._ptx_loss()
                         actor_loss = actor_loss + ppo.ptx_coef * ptx
-                    step_stats.update({
-                        "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
-                        "policy/entropy_avg": policy_entropy, "loss/policy_avg": pg_loss, "loss/ptx_avg": ptx,
-                        "val/ratio": pg_stats["ratio"], "val/ratio_var": pg_stats["ratio_var"],
-                    })
+                    step_stats.update({POLICY_STAT_NAMES.get(name, f"policy/{name}_avg"): value
+                                       for name, value in pg_stats.items()})
+                    step_stats.update({"policy/entropy_avg": policy_entropy, "loss/policy_avg": pg_loss,
+                                       "loss/ptx_avg": ptx})
                 # Both losses are checked before either backward, alike on every rank: a skipped
                 # minibatch leaves no gradient behind and steps no optimiser.
-                losses = {"value loss": v_loss, **({"policy loss": actor_loss} if self.train_actor else {})}
+                losses = {**({"value loss": v_loss} if self.critic is not None else {}),
+                          **({"policy loss": actor_loss} if self.train_actor else {})}
                 minibatch = start // ppo.minibatch_size + 1
                 if not self.guard.check(losses, f"iteration {self.iteration + 1}, minibatch {minibatch}"):
                     continue
-                self.critic.backward(v_loss)
+                if self.critic is not None:
+                    self.critic.backward(v_loss)
                 if self.train_actor:
                     self.actor.backward(actor_loss)
-                grad_norm = clip_grad_norm([self.actor, self.critic], ppo.max_grad_norm) if self.joint_clip else math.nan
-                self.actor.step()
-                self.critic.step()
+                grad_norm = clip_grad_norm(self.engines(), ppo.max_grad_norm) if self.joint_clip else math.nan
+                for engine in self.engines():
+                    engine.step()
                 for name, value in step_stats.items():
                     sums[name] = sums.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
                 if not math.isnan(grad_norm):
                     sums["policy/grad_norm"] = sums.get("policy/grad_norm", 0.0) + grad_norm
                 steps += 1
         return {name: total / steps for name, total in sums.items()}
+
+    def engines(self) -> list:
+        """The engines that train: the actor (unless frozen) and the critic (if any)."""
+        return ([self.actor] if self.train_actor else []) + ([self.critic] if self.critic is not None else [])
 
     def _ptx_loss(self) -> torch.Tensor:
         batch = [self.ptx_examples[self.ptx_rng.randrange(len(self.ptx_examples))] for _ in range(self.ppo.ptx_batch_size)]
@@ -277,6 +323,19 @@ class PPOTrainer:
         if "torch_rng" in state:  # checkpoints before each rank kept its own (`checkpoint.save`)
             torch.set_rng_state(state["torch_rng"])
         self.moments.load_state_dict(state["moments"])
+
+
+def check_critic(ppo: PPOConfig, critic, train_actor: bool) -> None:
+    """A critic exactly when the advantage estimator needs one; critic pre-training needs one that does."""
+    name = ppo.advantage_estimator
+    needed = advantage_estimator(name).needs_critic
+    if not train_actor and not needed:
+        raise ValueError(f"critic pre-training fits a critic for PPO, and advantage_estimator={name} trains none: "
+                         f"there is no critic stage to run (stages.ppo.advantages.needs_critic)")
+    if needed and critic is None:
+        raise ValueError(f"advantage_estimator={name} needs a critic: pass critic=")
+    if not needed and critic is not None:
+        raise ValueError(f"advantage_estimator={name} needs no critic: pass critic=None (none is trained)")
 
 
 class FrozenPolicy:
