@@ -55,8 +55,16 @@ class Stage:
 # shaping and GAE with its own batch sizes, lr and seed): PPO-only settings such as
 # `ppo.iterations` or `ppo.actor_lr` do not retrain the critic.
 CRITIC_READS_FROM_PPO = tuple(f"ppo.{name}" for name in (
-    "preset", "score_mode", "eos_penalty", "value_clip", "reward", "gamma", "lam", "score_clip",
+    "preset", "advantage_estimator", "samples_per_prompt", "score_mode", "eos_penalty", "value_clip", "reward",
+    "gamma", "lam", "score_clip",
     "value_clip_eps", "eos_penalty_sigmas", "max_prompt_len", "generation", "max_nonfinite_steps", "autocast"))
+
+def _without_a_critic(cfg) -> str | None:
+    """The critic stage's skip: a critic-free advantage estimator (grpo, rloo, reinforce++) trains none."""
+    from stages.ppo.advantages import needs_critic
+
+    return None if needs_critic(cfg.ppo) else f"ppo.advantage_estimator={cfg.ppo.advantage_estimator} trains no critic"
+
 
 PIPELINE = ("model", "data", "sft", "reward")  # the sections every model stage depends on, in order
 
@@ -109,7 +117,7 @@ for _stage in (
     Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
           registers="critic", model_output="critic_model", contract={"critic": "critic_probe"},
-          headline=("critic/final_value_loss", "critic/final_explained_variance")),
+          headline=("critic/final_value_loss", "critic/final_explained_variance"), skip_reason=_without_a_critic),
     Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo"),
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
           outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",

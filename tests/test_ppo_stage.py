@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stages import tracking
-from stages.config import load_config
+from stages.config import load_config, rlhf_home
 from stages.data import read_jsonl
 from stages.launch import execute
 
@@ -162,3 +162,27 @@ def test_ppo_on_two_deepspeed_ranks(full_run):
     assert [m.step for m in history] == [1, 2]  # rank 0 alone logs
     assert run.data.metrics["episode"] == 2 * 8 * 2  # iterations × prompts per rank × ranks
     assert outputs["policy_model"].startswith("models:/rlhf-tiny-policy/")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++"])
+def test_a_critic_free_estimator_runs_the_pipeline_with_no_critic(full_run, estimator):
+    """critic, ppo and eval through the real flow on the full run's data, SFT and reward model: the
+    critic stage is skipped, PPO loads, trains and checkpoints no critic, and none is registered."""
+    from flows.rlhf import rlhf
+
+    def critic_versions():
+        return len(tracking.client().search_model_versions("name='rlhf-tiny-critic'"))
+
+    before = critic_versions()
+    overrides = {"ppo.advantage_estimator": estimator, "ppo.samples_per_prompt": 4, "ppo.iterations": 3}
+    run_id = rlhf(preset="tiny", overrides=overrides, stages=["critic", "ppo", "eval"], from_run=full_run)
+    recorded = tracking.recorded_stages(tracking.client().get_run(run_id))
+    assert set(recorded) == {"ppo", "eval"} and all(how == "ran" for how, _ in recorded.values())
+    assert critic_versions() == before
+    ppo = tracking.client().get_run(recorded["ppo"][1])
+    assert ppo.data.params["ppo.critic_model"] == "none" and ppo.data.params["ppo.advantage_estimator"] == estimator
+    assert "loss/value_avg" not in ppo.data.metrics and np.isfinite(ppo.data.metrics["objective/scores"])
+    policy = version_tags(tracking.stage_outputs(recorded["ppo"][1])["policy_model"])
+    assert policy["rlhf.input.critic_model"] == "" and policy["rlhf.advantage_estimator"] == estimator
+    checkpoints = rlhf_home() / "runs" / run_id / "ppo" / "checkpoints"
+    assert list(checkpoints.glob("iter-*")) and not list(checkpoints.rglob("critic*"))
