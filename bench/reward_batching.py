@@ -34,7 +34,8 @@ def measure(mode: str, config: dict, model_dir: str, rows: list[dict]) -> dict:
 
     from stages import sources
     from stages.config import PipelineConfig
-    from stages.launch import Dist, PlainEngine
+    from stages.launch import Dist
+    from stages.training import PlainEngine
     from stages.reward.model import reward_model_from_lm
     from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch
 

@@ -352,7 +352,7 @@ class PPOConfig(_Section):
                     "or 4). ours: 1, PPO-max samples each prompt once.")
     policy_loss: str = Field(
         "ppo_clip",
-        description="The policy loss, by name in stages/ppo/losses.py's registry (register_policy_loss). "
+        description="The policy loss, by name in stages/losses.py's registry (register_policy_loss). "
                     "`ppo_clip`: the clipped surrogate with clip_eps (paper §5.3.3; MOSS: pg_clip).")
 
     iterations: int = Field(100, description="Rollout + update rounds. ours: presets size it to the hardware.")
@@ -478,7 +478,7 @@ class PPOConfig(_Section):
                 raise ValueError(f"advantage_estimator={self.advantage_estimator} compares the samples of one prompt: "
                                  f"it needs samples_per_prompt ≥ {needed} (got {k}); e.g. ppo.samples_per_prompt=4")
         if self.policy_loss != "ppo_clip":
-            from stages.ppo.losses import registered_policy_loss
+            from stages.losses import registered_policy_loss
 
             registered_policy_loss(self.policy_loss)
         return self

@@ -17,10 +17,10 @@ from stages import tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
-from stages.ppo.advantages import masked_mean
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
 from stages.ppo.trainer import PPOTrainer, explained_variance
 from stages.reward.model import save_reward_model
+from stages.training import masked_mean
 
 
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:

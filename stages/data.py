@@ -224,3 +224,12 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source,
             "data_run": tracker.run_id, "raw_pairs_probe": tracker.log_probe(raw_pairs_frame(records), "raw_pairs"),
             "splits_probe": tracker.log_probe(splits_frame(splits), "splits")}
+
+
+def corpus_texts(splits_dir: Path) -> list[str]:
+    """All dialogue text of the splits (what the `bpe` tokenizer of the tiny preset learns on)."""
+    texts = []
+    for name in SPLITS:
+        for row in read_jsonl(splits_dir / f"{name}.jsonl"):
+            texts += [row["prompt"], row["chosen"], row["rejected"]]
+    return texts

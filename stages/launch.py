@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import socket
 import subprocess
@@ -69,113 +68,6 @@ class Dist:
             import torch.distributed as torch_dist
 
             torch_dist.barrier()
-
-
-class PlainEngine:
-    """The slice of DeepSpeed's engine API the stages use, for single-process PyTorch."""
-
-    def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float):
-        self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
-        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.micro_steps = 0
-        self.last_grad_norm = 0.0
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.grad_accum_steps == 0
-
-    def backward(self, loss) -> None:
-        (loss / self.grad_accum_steps).backward()
-
-    def step(self) -> None:
-        if self.is_gradient_accumulation_boundary():
-            if math.isinf(self.max_grad_norm):  # no clipping (PPO clips actor and critic jointly): no norm either
-                self.last_grad_norm = math.nan
-            else:
-                self.last_grad_norm = clip_with_norm([p for p in self.module.parameters() if p.grad is not None],
-                                                     self.max_grad_norm)
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.micro_steps += 1
-
-    def get_global_grad_norm(self) -> float:
-        return self.last_grad_norm
-
-    def train(self) -> None:
-        self.module.train()
-
-
-def autocast(device: str, mixed_precision: str):
-    """bf16 autocast for mixed_precision "bf16" (GPUs run bf16 matmuls several times faster than
-    fp32), else ("none") a no-op context."""
-    import torch
-
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
-
-
-def adamw(model, **options):
-    """AdamW with the fused kernel: torch's default on CPU updates one tensor at a time, 1.5 s a
-    step for SmolLM2-135M on one core against 0.27 s fused."""
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, fused=fused or None, **options)
-
-
-def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accum_steps: int,
-                max_grad_norm: float, dist: Dist):
-    if dist.deepspeed_config is None:
-        return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm)
-    import deepspeed
-
-    config = dict(dist.deepspeed_config)
-    config.update(
-        train_micro_batch_size_per_gpu=micro_batch_size,
-        gradient_accumulation_steps=grad_accum_steps,
-        train_batch_size=micro_batch_size * grad_accum_steps * dist.world_size,
-        gradient_clipping=0.0 if math.isinf(max_grad_norm) else max_grad_norm,  # DeepSpeed: 0 = no clipping
-    )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    return engine
-
-
-def clip_with_norm(params: list, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_ without its multiply by 1 when nothing is clipped (that
-    multiply rewrote every gradient of a PPO step, 0.1 s on CPU). Returns ‖g‖ before clipping."""
-    import torch
-
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if not max_norm / (float(norm) + 1e-6) >= 1.0:  # torch's coefficient, clamped to 1; NaN clips as in torch
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
-
-
-def clip_grad_norm(engines: list, max_norm: float) -> float:
-    """One gradient-norm clip over several engines, between their backward and their step:
-    g ← g · min(1, max_norm / ‖g‖), ‖g‖ over all their parameters. Returns ‖g‖ before clipping.
-    The engines must not clip on their own (make_engine with max_grad_norm=inf)."""
-    import torch
-
-    if all(isinstance(engine, PlainEngine) for engine in engines):
-        return clip_with_norm([p for engine in engines for p in engine.module.parameters() if p.grad is not None],
-                              max_norm)
-    # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
-    # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine
-    # and step: one all-reduce of all its gradients for the norm, one more when clipping.
-    from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized
-
-    groups = [[p for p in engine.module.parameters() if p.requires_grad] for engine in engines]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(safe_get_full_grad(p).float())
-                                                 for params in groups for p in params]))
-    coef = max_norm / (float(norm) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-    if not coef >= 1.0:  # a NaN norm clips too, as in torch (and as clip_with_norm)
-        for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
-            safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
-    return float(norm)
 
 
 def _resolve_deepspeed_config(name: str) -> dict:

@@ -13,40 +13,11 @@ from tqdm import tqdm
 
 from stages import sources, tracking
 from stages.config import PipelineConfig
-from stages.data import SPLITS, count_cut, encode_example, read_jsonl
+from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
-from stages.launch import Dist, adamw, make_engine
-
-
-def corpus_texts(splits_dir: Path) -> list[str]:
-    """All dialogue text of the splits (what the `bpe` tokenizer of the tiny preset learns on)."""
-    texts = []
-    for name in SPLITS:
-        for row in read_jsonl(splits_dir / f"{name}.jsonl"):
-            texts += [row["prompt"], row["chosen"], row["rejected"]]
-    return texts
-
-
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch; padded positions get label -100 and attention 0."""
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (ids, labs) in enumerate(examples):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(labs)] = torch.tensor(labs)
-        attention[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
-
-
-def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over the labelled positions (labels are -100 elsewhere), and their count."""
-    targets = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
-    )
-    return nll, int((targets != -100).sum())
+from stages.launch import Dist
+from stages.losses import shifted_nll
+from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine
 
 
 def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -70,51 +41,6 @@ def heldout_perplexity(model, examples, pad_id: int, batch_size: int, dist: Dist
     model.train(was_training)
     loss = total / max(count, 1)
     return loss, math.exp(min(loss, 50.0))
-
-
-def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
-    """Linear warm-up to the peak lr, then cosine decay to `min_lr_ratio` × the peak (0: as
-    transformers' schedule; the paper's SFT decays to 10 %)."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-@torch.no_grad()
-def generation_probe(model, tokenizer, rows: list[dict], max_new_tokens: int, max_prompt_len: int) -> list[dict]:
-    """Greedy responses to held-out prompts: per response its length in tokens and whether it
-    ended with EOS (what the SFT contract judges). One left-padded batch."""
-    from stages.data import render_prompt
-
-    if not rows:
-        return []
-    was_training, use_cache = model.training, model.config.use_cache
-    model.eval()
-    model.config.use_cache = True
-    sides = tokenizer.padding_side, tokenizer.truncation_side
-    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
-    try:
-        prompts = [render_prompt(tokenizer, r["messages"]) for r in rows]
-        batch = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_len,
-                          add_special_tokens=False).to(model.device)
-        out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    finally:
-        tokenizer.padding_side, tokenizer.truncation_side = sides
-        model.config.use_cache = use_cache
-        model.train(was_training)
-    probe = []
-    for row, ids in zip(rows, out[:, batch["input_ids"].shape[1]:].tolist()):
-        eos = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else None
-        tokens = ids[: eos + 1] if eos is not None else [t for t in ids if t != tokenizer.pad_token_id]
-        probe.append({"row": row["row"], "response": tokenizer.decode(tokens, skip_special_tokens=True),
-                      "response_tokens": len(tokens), "ended_with_eos": eos is not None})
-    return probe
 
 
 def response_tokens(labels: list[int]) -> int:

@@ -1,5 +1,5 @@
 """Shared fixtures: a private RLHF home (cache + MLflow SQLite store), a real Prefect server and a
-real S3-API server."""
+real S3-API server; the tiny model with HH prompts (the PPO trainer tests)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,21 @@ def s3_server():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def tiny(hh_file):
+    """The tiny preset's model folder (random Llama, BPE tokenizer trained on HH text), its tokenizer
+    and 256 encoded HH prompts."""
+    from stages.config import load_config
+    from stages.data import load_pairs
+    from stages.ppo.stage import encode_prompts
+    from stages.sources import load_tokenizer, materialise_model
+
+    cfg = load_config("tiny", [f"data.pairs={hh_file}"])
+    _, pairs, _ = load_pairs(cfg)
+    texts = [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]
+    folder = materialise_model(cfg.model, corpus=lambda: texts)
+    tokenizer = load_tokenizer(folder, cfg.model)
+    prompts = encode_prompts(tokenizer, pairs[:256], 64)
+    return folder, tokenizer, prompts

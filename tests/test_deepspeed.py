@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages import data, tracking
+from stages import tracking
 from stages.config import load_config
 from stages.launch import execute
 

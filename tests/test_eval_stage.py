@@ -15,14 +15,11 @@ import pytest
 from data_contracts import validate
 from eval_helpers import SECRET, JudgeServer
 from leaks import files, leaks, mlflow_texts
+from pipeline_helpers import stage_run
 from stages import tracking
 from stages.config import load_config
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
-
-
-def stage_run(pipeline_run_id: str, stage: str):
-    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
 
 
 @pytest.fixture(scope="module")

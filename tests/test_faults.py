@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from test_ppo_stage import TRL_NAMES, stage_run
+from pipeline_helpers import TRL_NAMES, stage_run
 
 from stages import tracking
 from stages.config import load_config

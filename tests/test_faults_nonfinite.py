@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_ppo_train import make_trainer, tiny  # noqa: F401 (tiny: the fixture make_trainer needs)
+from ppo_helpers import make_trainer
 
 from stages import sft, tracking
 from stages.config import load_config
 from stages.guards import NonFiniteError
-from stages.launch import PlainEngine, execute, free_port
+from stages.launch import execute, free_port
+from stages.training import PlainEngine
 
 
 def nonfinite_scores(score_fn, value: float, iterations: set[int]):

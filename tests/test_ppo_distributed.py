@@ -24,9 +24,9 @@ import torch
 
 from stages import sources, tracking
 from stages.config import load_config
+from stages.data import corpus_texts
 from stages.launch import execute
 from stages.reward.model import reward_model_from_lm, save_reward_model
-from stages.sft import corpus_texts
 
 RANK_PROMPTS = 8
 # No EOS penalty: every response lacks EOS, and a constant penalty score would leave the reward

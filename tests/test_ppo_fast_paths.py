@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ppo_train import make_trainer, tiny  # noqa: F401  (the module's tiny model and prompts)
+from ppo_helpers import greedy_one_minibatch_trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.ppo.experience import response_logits
@@ -17,12 +17,6 @@ def small_llama(**extra) -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, **extra))
-
-
-def greedy_one_minibatch_trainer(tiny, *overrides: str):  # noqa: F811
-    """A PPO trainer on the tiny model: one minibatch of 8 rollouts, 8 greedy new tokens."""
-    return make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
-                        "ppo.generation.max_new_tokens=8", *overrides)
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +186,7 @@ def test_generation_stops_when_every_row_has_ended_and_masks_after_eos():
     assert (response[after] == 0).all() and (rollout.logprobs[after] == 0).all()
 
 
-def test_values_from_the_training_forward_give_the_same_update(tiny):  # noqa: F811
+def test_values_from_the_training_forward_give_the_same_update(tiny):
     """One epoch, one minibatch: V_old from the critic's training forward, or from a forward of
     its own in the rollout: the same losses and the same weights after the step."""
     results = []
@@ -215,7 +209,7 @@ def test_values_from_the_training_forward_give_the_same_update(tiny):  # noqa: F
         assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
 
 
-def test_the_prefills_graph_in_the_actors_training_forward_gives_the_same_update(tiny):  # noqa: F811
+def test_the_prefills_graph_in_the_actors_training_forward_gives_the_same_update(tiny):
     """One epoch, one minibatch: the actor's training forward runs the response positions only, on
     the graph its rollout's prefill kept, or runs the whole sequences: the same update."""
     trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
@@ -253,7 +247,7 @@ def test_inverse_cdf_sampling_draws_from_the_distribution():
     assert (counts / draws - logits.softmax(-1)).abs().max() < 0.03  # ~4 standard errors at p = 0.5
 
 
-def test_bf16_autocast_trains_with_finite_numbers_close_to_fp32(tiny):  # noqa: F811
+def test_bf16_autocast_trains_with_finite_numbers_close_to_fp32(tiny):
     results = {}
     for precision in ("none", "bf16"):
         trainer = greedy_one_minibatch_trainer(tiny, f"ppo.autocast={precision}")
@@ -263,7 +257,7 @@ def test_bf16_autocast_trains_with_finite_numbers_close_to_fp32(tiny):  # noqa: 
         assert results["bf16"][name] == pytest.approx(results["none"][name], rel=0.1, abs=0.02), name
 
 
-def test_the_entropy_bonus_reaches_the_actor_only_when_its_coefficient_is_set(tiny):  # noqa: F811
+def test_the_entropy_bonus_reaches_the_actor_only_when_its_coefficient_is_set(tiny):
     """Without a bonus the entropy is a statistic computed without a graph; with one it moves the actor."""
     runs = {}
     for coef in ("0.0", "0.5"):

@@ -8,12 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.ppo.advantages import gae, masked_whiten
 from stages.config import ConfigError, PPOConfig, load_config
-from stages.ppo.losses import entropy, kl_loss, policy_loss, value_loss
-from stages.ppo.rewards import (
-    RunningMoments, eos_penalty_scores, kl_estimate, reparameterise_scores, shape_scores, token_rewards,
-)
+from stages.losses import entropy, kl_estimate, kl_loss, policy_loss, value_loss
+from stages.ppo.advantages import gae, masked_whiten
+from stages.ppo.rewards import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
 
 
 def gae_reference(rewards, values, gamma, lam):
@@ -244,7 +242,7 @@ def test_whitening_and_entropy():
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clips; does not clip
 def test_the_joint_clip_gives_torchs_clipped_gradients_over_both_engines(max_norm):
-    from stages.launch import PlainEngine, clip_grad_norm
+    from stages.training import clip_grad_norm, PlainEngine
 
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
@@ -344,7 +342,7 @@ def test_registry_entries_say_which_estimators_need_a_critic():
 
 def test_ppo_clip_through_the_registry_is_the_clipped_surrogate():
     from stages.config import PPOConfig
-    from stages.ppo.losses import registered_policy_loss
+    from stages.losses import registered_policy_loss
 
     # The hand-computed case of test_policy_loss_hand_computed: ρ = [1.5, 0.5], A = 1, ε = 0.2 → −0.85
     loss, stats = registered_policy_loss("ppo_clip")(torch.log(torch.tensor([[1.5, 0.5]])), torch.zeros(1, 2),

@@ -8,26 +8,12 @@ import json
 
 import numpy as np
 import pytest
+from pipeline_helpers import TRL_NAMES, stage_run, version_tags
 
 from stages import tracking
 from stages.config import load_config, rlhf_home
 from stages.data import read_jsonl
 from stages.launch import execute
-
-TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-             "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
-             "loss/value_avg", "loss/ptx_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens",
-             "lr", "episode", "eps", "policy/perplexity", "policy/ref_perplexity", "policy/response_length",
-             "policy/response_length_p90"]
-
-
-def stage_run(pipeline_run_id: str, stage: str):
-    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
-
-
-def version_tags(uri: str) -> dict:
-    name, version = uri.removeprefix("models:/").split("/")
-    return tracking.client().get_model_version(name, version).tags
 
 
 def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):

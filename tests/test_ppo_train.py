@@ -6,47 +6,17 @@ import math
 
 import pytest
 import torch
+from ppo_helpers import make_trainer
 
 from stages.config import load_config
-from stages.data import load_pairs
 from stages.launch import Dist
 from stages.ppo import checkpoint
-from stages.ppo.experience import rule_scores
-from stages.ppo.stage import encode_prompts
-from stages.ppo.advantages import masked_mean
 from stages.ppo.experience import response_logits
 from stages.ppo.generation import token_logprobs
-from stages.ppo.trainer import PPOTrainer, warmup_steps
+from stages.ppo.trainer import warmup_steps
 from stages.reward.model import RewardModel
-from stages.sources import load_model, load_tokenizer, materialise_model
-
-RULE = "char_fraction:e"
-
-
-@pytest.fixture(scope="module")
-def tiny(hh_file):
-    cfg = load_config("tiny", [f"data.pairs={hh_file}"])
-    _, pairs, _ = load_pairs(cfg)
-    texts = [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]
-    folder = materialise_model(cfg.model, corpus=lambda: texts)
-    tokenizer = load_tokenizer(folder, cfg.model)
-    prompts = encode_prompts(tokenizer, pairs[:256], 64)
-    return folder, tokenizer, prompts
-
-
-def make_trainer(tiny, *overrides: str, **trainer_args) -> PPOTrainer:
-    """A PPO trainer on the tiny model with a rule reward; `trainer_args` replace PPOTrainer's."""
-    folder, tokenizer, prompts = tiny
-    cfg = load_config("tiny", ["ppo.rollout_batch_size=32", "ppo.minibatch_size=16", "ppo.actor_lr=3e-3",
-                               "ppo.critic_lr=3e-3", f"ppo.reward={RULE}", "ppo.ptx=false",
-                               "ppo.eos_penalty=false", *overrides])
-    model_cfg = cfg.model
-    torch.manual_seed(0)  # the critic's fresh value head: the same in every test
-    reference = load_model(folder, model_cfg).eval().requires_grad_(False)
-    args = dict(actor=load_model(folder, model_cfg), critic=RewardModel(load_model(folder, model_cfg)),
-                reference=reference, score_fn=rule_scores(tokenizer, RULE), prompts=prompts, ptx_examples=[],
-                tokenizer=tokenizer, dist=Dist())
-    return PPOTrainer(cfg.ppo, **{**args, **trainer_args})
+from stages.sources import load_model
+from stages.training import masked_mean
 
 
 @pytest.mark.parametrize("preset", ["ppo-max", "vanilla"])

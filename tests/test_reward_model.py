@@ -10,12 +10,12 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.config import ModelConfig, RewardConfig
-from stages.launch import Dist, PlainEngine
-from stages.reward.loss import reward_model_loss
+from stages.launch import Dist
+from stages.losses import reward_model_loss
 from stages.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
 from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
-from stages.sft import cosine_with_warmup
 from stages.sources import train_bpe_tokenizer
+from stages.training import PlainEngine, cosine_with_warmup
 
 WORDS = ("river stone cloud apple window garden paper music summer forest candle orange bridge "
          "silver yellow market winter letter basket pillow mirror engine ticket planet").split()

@@ -11,8 +11,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.guards import NonFiniteGuard
-from stages.launch import Dist, PlainEngine
-from stages.sft import accumulate_step, collate, response_nll
+from stages.launch import Dist
+from stages.sft import accumulate_step, response_nll
+from stages.training import PlainEngine, collate
 
 VOCAB, PAD = 40, 0
 
@@ -61,7 +62,7 @@ def test_sft_loss_is_one_token_mean_over_accumulated_batch():
 def test_sft_schedule_decays_to_ten_percent_of_the_peak():
     """Paper §5.1: SFT's cosine decays to 10 % of the peak lr (transformers' schedule: to 0)."""
     from stages.config import SFTConfig
-    from stages.sft import cosine_with_warmup
+    from stages.training import cosine_with_warmup
 
     sft = SFTConfig()
     assert (sft.lr, sft.epochs, sft.min_lr_ratio) == (9.5e-6, 2, 0.1)

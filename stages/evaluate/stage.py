@@ -14,14 +14,13 @@ import torch
 
 from stages import sources, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
-from stages.data import read_jsonl
+from stages.data import corpus_texts, read_jsonl
 from stages.evaluate import ceval, report
 from stages.evaluate.judge import LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, tally
 from stages.launch import Dist
 from stages.ppo.generation import generate
 from stages.ppo.stage import encode_prompts
 from stages.reward.model import load_reward_model
-from stages.sft import corpus_texts
 
 CHAMPION_ALIAS = "champion"
 

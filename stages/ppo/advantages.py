@@ -23,12 +23,6 @@ if TYPE_CHECKING:
     from stages.config import PPOConfig
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
                   all_reduce_sum=None) -> torch.Tensor:
     """(x − mean) / std over the masked entries (mean added back when shift_mean is False).

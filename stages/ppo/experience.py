@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.launch import autocast
 from stages.ppo.decoding import PromptPass
 from stages.ppo.generation import generate, token_logprobs
 from stages.reward.model import RewardModel
+from stages.training import autocast
 from stages.unpadded import last_hidden_state, unpadded_ok
 
 

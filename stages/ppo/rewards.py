@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from stages.losses import KLEstimator, kl_estimate
+
 
 @dataclass
 class RunningMoments:
@@ -88,20 +90,6 @@ def shape_scores(scores: torch.Tensor, ended_with_eos: torch.Tensor, moments: Ru
         moments.update(scores, all_reduce_sum)
     scores = eos_penalty_scores(scores, ended_with_eos, moments, eos_penalty_sigmas)
     return reparameterise_scores(scores, moments, mode, clip)
-
-
-KLEstimator = Literal["k1", "k2", "k3"]
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
-    """Per-token KL(π ‖ π_SFT) estimate from sampled tokens (Schulman 2020): k1 = log π − log π_SFT,
-    k2 = ½ (log π − log π_SFT)², k3 = (ρ − 1) − log ρ with ρ = π_SFT / π (unbiased, non-negative)."""
-    log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    return torch.expm1(-log_ratio) + log_ratio
 
 
 def token_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -17,11 +17,12 @@ from stages.config import PipelineConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
-from stages.ppo.advantages import masked_mean, needs_critic
+from stages.ppo.advantages import needs_critic
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import load_reward_model
+from stages.training import masked_mean
 
 
 

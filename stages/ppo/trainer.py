@@ -19,13 +19,13 @@ import torch
 
 from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
-from stages.launch import Dist, adamw, autocast, clip_grad_norm, make_engine
-from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_mean, masked_whiten
+from stages.launch import Dist
+from stages.losses import POLICY_STAT_NAMES, entropy, kl_loss, ptx_loss, registered_policy_loss, value_loss
+from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.ppo.generation import log_distribution, picked
-from stages.ppo.losses import POLICY_STAT_NAMES, entropy, kl_loss, ptx_loss, registered_policy_loss, value_loss
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
-from stages.sft import collate
+from stages.training import adamw, autocast, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
 
 
 def shuffled_order(count: int, rng: random.Random) -> list[int]:
@@ -34,10 +34,6 @@ def shuffled_order(count: int, rng: random.Random) -> list[int]:
     order = list(range(count))
     rng.shuffle(order)
     return order
-
-
-def warmup_schedule(optimizer, warmup_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
 
 def warmup_steps(ppo: PPOConfig, pretrained_critic: bool) -> int:
@@ -75,7 +71,7 @@ class PPOTrainer:
 
         def engine(model, lr, decay):
             optimizer = adamw(model, lr=lr, betas=ppo.adam_betas, weight_decay=decay)
-            return make_engine(model, optimizer, warmup_schedule(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
+            return make_engine(model, optimizer, linear_warmup(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
                                grad_accum_steps=1, max_grad_norm=engine_clip, dist=dist)
 
         self.actor = engine(actor, ppo.actor_lr, ppo.actor_weight_decay) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())

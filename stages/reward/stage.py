@@ -17,12 +17,12 @@ from stages import sources, tracking
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
-from stages.launch import Dist, adamw, make_engine
+from stages.launch import Dist
+from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.reward.batching import PairBatchSampler
-from stages.reward.loss import RewardLoss, pairwise_loss, reward_model_loss
 from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.report import margin_histogram, worst_pairs
-from stages.sft import collate, cosine_with_warmup
+from stages.training import adamw, collate, cosine_with_warmup, make_engine
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 

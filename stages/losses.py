@@ -1,20 +1,76 @@
-"""PPO losses (paper §5.3.3): clipped surrogate, clipped value loss, PPO-ptx, entropy, and the KL
-penalty as a loss term (`ppo.kl_penalty_in=loss`).
+"""Every loss the pipeline trains with, in one module:
 
-Policy losses are registered by name (`ppo.policy_loss`), one function of one signature each,
-`fn(logprobs, old_logprobs, advantages, mask, ppo) -> (loss, stats)`: adding one is one function
-with `@register_policy_loss(name)`. Built in: `ppo_clip`, the clipped surrogate."""
+- SFT: the shifted next-token NLL (also PPO-ptx's and the reward model's LM term);
+- reward model (paper §4.2): −log σ(r(x, y_w) − r(x, y_l)) + β_rm · LM loss on (x, y_w);
+- PPO (paper §5.3.3): policy losses registered by name (`ppo.policy_loss`, one function of one
+  signature each, `fn(logprobs, old_logprobs, advantages, mask, ppo) -> (loss, stats)`: adding one
+  is one function with `@register_policy_loss(name)`; built in: `ppo_clip`, the clipped
+  surrogate), the clipped value loss, entropy, PPO-ptx, and the KL penalty: its per-token
+  estimators (k1, k2, k3) and, with `ppo.kl_penalty_in=loss`, the KL loss term."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.nn.functional as F
 
-from stages.ppo.advantages import masked_mean
-from stages.ppo.rewards import KLEstimator, kl_estimate
-from stages.sft import shifted_nll
+from stages.training import masked_mean
+
+def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over the labelled positions (labels are -100 elsewhere), and their count."""
+    targets = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    return nll, int((targets != -100).sum())
+
+
+# -- reward model ------------------------------------------------------------------------------
+@dataclass
+class RewardLoss:
+    total: torch.Tensor  # what backward sees
+    pairwise: torch.Tensor  # mean over pairs
+    lm: torch.Tensor  # mean over the chosen answers' response tokens
+    lm_tokens: int
+
+
+def pairwise_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    # −log σ(r_w − r_l), averaged over pairs
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def response_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(mean next-token NLL over labelled tokens, their count); labels are -100 elsewhere."""
+    # −(1/T) Σ_t log p(y_t | x, y_<t) over the response tokens
+    nll, count = shifted_nll(logits, labels)
+    return nll / max(count, 1), count
+
+
+def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, chosen_logits: torch.Tensor,
+                      chosen_labels: torch.Tensor, beta_rm: float) -> RewardLoss:
+    pairwise = pairwise_loss(r_chosen, r_rejected)
+    lm, lm_tokens = response_lm_loss(chosen_logits, chosen_labels)
+    # L = −log σ(r_w − r_l) + β_rm · L_LM(x, y_w)
+    return RewardLoss(total=pairwise + beta_rm * lm, pairwise=pairwise, lm=lm, lm_tokens=lm_tokens)
+
+
+# -- PPO ---------------------------------------------------------------------------------------
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
+    """Per-token KL(π ‖ π_SFT) estimate from sampled tokens (Schulman 2020): k1 = log π − log π_SFT,
+    k2 = ½ (log π − log π_SFT)², k3 = (ρ − 1) − log ρ with ρ = π_SFT / π (unbiased, non-negative)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return torch.expm1(-log_ratio) + log_ratio
+
 
 if TYPE_CHECKING:
     from stages.config import PPOConfig

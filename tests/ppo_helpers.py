@@ -1,0 +1,36 @@
+"""Shared by the PPO tests: a PPO trainer on the tiny model (the `tiny` fixture of conftest.py)
+with a rule reward."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.config import load_config
+from stages.launch import Dist
+from stages.ppo.experience import rule_scores
+from stages.ppo.trainer import PPOTrainer
+from stages.reward.model import RewardModel
+from stages.sources import load_model
+
+RULE = "char_fraction:e"
+
+
+def make_trainer(tiny, *overrides: str, **trainer_args) -> PPOTrainer:
+    """A PPO trainer on the tiny model with a rule reward; `trainer_args` replace PPOTrainer's."""
+    folder, tokenizer, prompts = tiny
+    cfg = load_config("tiny", ["ppo.rollout_batch_size=32", "ppo.minibatch_size=16", "ppo.actor_lr=3e-3",
+                               "ppo.critic_lr=3e-3", f"ppo.reward={RULE}", "ppo.ptx=false",
+                               "ppo.eos_penalty=false", *overrides])
+    model_cfg = cfg.model
+    torch.manual_seed(0)  # the critic's fresh value head: the same in every test
+    reference = load_model(folder, model_cfg).eval().requires_grad_(False)
+    args = dict(actor=load_model(folder, model_cfg), critic=RewardModel(load_model(folder, model_cfg)),
+                reference=reference, score_fn=rule_scores(tokenizer, RULE), prompts=prompts, ptx_examples=[],
+                tokenizer=tokenizer, dist=Dist())
+    return PPOTrainer(cfg.ppo, **{**args, **trainer_args})
+
+
+def greedy_one_minibatch_trainer(tiny, *overrides: str):
+    """A PPO trainer on the tiny model: one minibatch of 8 rollouts, 8 greedy new tokens."""
+    return make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
+                        "ppo.generation.max_new_tokens=8", *overrides)
