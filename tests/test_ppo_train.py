@@ -248,7 +248,8 @@ def test_without_a_critic_one_minibatch_reuses_the_prefill_for_the_same_update(t
 def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeypatch):
     """Adding an estimator or a policy loss is one function with its decorator: here, in this test,
     plain REINFORCE (the sequence reward on every token, no baseline) and an unclipped surrogate."""
-    from stages.ppo import advantages, losses
+    from stages import losses
+    from stages.ppo import advantages
 
     monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))
     monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
