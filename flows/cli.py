@@ -302,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         except tracking.TrackingUnavailable as err:
             print(f"rlhf: {err}", file=sys.stderr)
             return 1
-        print(f"\nPipeline run {run_id} finished.\nMLflow store: {tracking.tracking_uri()}\n"
-              f"Open it with: mlflow ui --backend-store-uri {tracking.tracking_uri()}")
+        from stages import runs
+
+        print(f"\n{runs.ending(run_id)[0]}\n\nMLflow store: {tracking.tracking_uri()}\n"
+              f"Open it with: .venv/bin/mlflow ui --backend-store-uri {tracking.tracking_uri()}")
         return 0
     except (ConfigError, DataError) as err:
         print(f"rlhf: {err}", file=sys.stderr)

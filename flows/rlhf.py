@@ -16,7 +16,7 @@ from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 
 from data_contracts import ContractError, check_handoff
-from stages import registry, tracking
+from stages import registry, runs, tracking
 from stages.config import PipelineConfig, load_config, rlhf_home
 from stages.launch import StageLaunchError, execute
 
@@ -213,8 +213,10 @@ def rlhf(
         if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
             pipeline.finish("FAILED")
         raise
+    ending, headline_metrics = runs.ending(pipeline.run_id)
+    pipeline.log_metrics(headline_metrics)
     pipeline.finish("FINISHED")
-    create_markdown_artifact(_summary(cfg, pipeline.run_id, inputs), key="rlhf-pipeline-run",
+    create_markdown_artifact(_summary(cfg, pipeline.run_id, inputs) + f"\n```\n{ending}\n```\n", key="rlhf-pipeline-run",
                              description=f"RLHF pipeline run {pipeline.run_id}")
     return pipeline.run_id
 

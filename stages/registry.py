@@ -36,7 +36,9 @@ class Stage:
     resumes: bool = False
     gpu: bool = True  # trains or runs models: served on the GPU work pool, Prefect tag `gpu`
     deployed: bool = True  # served as the deployment `rlhf/<name>` (reads the rest from `from_run`)
-    headline: tuple[str, ...] = ()  # metrics `rlhf runs` shows, in order
+    # Metrics `rlhf runs` and a run's ending show, in order (`*` matches any part of a name); one
+    # logged at step 0 and again later shows as before → after.
+    headline: tuple[str, ...] = ()
     # Why this configuration does not run the stage (None: it runs), e.g. a critic-free estimator.
     skip_reason: Callable[[object], str | None] | None = None
 
@@ -110,7 +112,7 @@ for _stage in (
           gpu=False, deployed=False, headline=("data/rows", "data/dropped")),
     Stage("sft", "stages.sft", config=("model", "data", "sft"), inputs=("splits",),
           outputs=("sft_model", "sft_model_artifact", "sft_probe"), registers="sft", model_output="sft_model",
-          contract={"sft": "sft_probe"}, headline=("eval/perplexity",)),
+          contract={"sft": "sft_probe"}, headline=("eval/perplexity",)),  # before → after
     Stage("reward", "stages.reward", config=PIPELINE, inputs=("splits", "sft_model"),
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
           contract={"reward": "reward_probe"}, headline=("eval/accuracy", "eval/margin")),
@@ -122,11 +124,13 @@ for _stage in (
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
           outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
           contract={"policy": "policy_probe"}, resumes=True,
-          headline=("objective/scores", "objective/kl", "eval/score", "policy/response_length")),
+          headline=("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate")),  # held out, before → after
     # eval reads `reward`: the lengths the score judge reads.
     Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval"),
           inputs=("splits", "sft_model", "reward_model", "policy_model"),
           optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
-          contract={"evaluation": "eval_probe"}),
+          contract={"evaluation": "eval_probe"},
+          headline=("eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate", "eval/judge/*/n",
+                    "eval/ceval_*shot/overall/delta")),
 ):
     register(_stage)

@@ -4,6 +4,8 @@ they differ, and their PPO curves in one figure."""
 
 from __future__ import annotations
 
+import fnmatch
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +25,18 @@ class StageView:
 
     def headline(self) -> dict[str, float]:
         metrics = self.run.data.metrics if self.run else {}
-        headline = registry.STAGES[self.stage].headline if self.stage in registry.STAGES else ()
-        return {name: metrics[name] for name in headline if name in metrics}
+        patterns = registry.STAGES[self.stage].headline if self.stage in registry.STAGES else ()
+        return {name: metrics[name] for pattern in patterns for name in sorted(fnmatch.filter(metrics, pattern))}
+
+    def before_after(self) -> dict[str, tuple[float | None, float]]:
+        """Each headline metric's value at step 0, when it was logged again later, and its last."""
+        mlflow_client = tracking.client()
+        out = {}
+        for name, last in self.headline().items():
+            history = sorted(mlflow_client.get_metric_history(self.run.info.run_id, name), key=lambda m: m.step)
+            first = history[0].value if len(history) > 1 and history[0].step == 0 else None
+            out[name] = (first, last)
+        return out
 
 
 def stage_views(pipeline_run, inherited: bool = False) -> list[StageView]:
@@ -138,3 +150,49 @@ def _plot_ppo_curves(ppo_views: list[StageView | None], names: list[str], png: P
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def ending(pipeline_run_id: str) -> tuple[str, dict[str, float]]:
+    """What a finished pipeline run says of itself: a line per stage with its headline numbers
+    (before → after where a stage measured both), a plain verdict on the policy, and where the
+    report is; and those numbers as metrics for the parent run (`<stage>/<metric>`, and
+    `<stage>/<metric>/before`), so MLflow's run list and compare view show them."""
+    run = tracking.client().get_run(pipeline_run_id)
+    lines, metrics = [f"Pipeline run {pipeline_run_id} finished: {run.info.run_name}"], {}
+    views = [view for view in stage_views(run) if view.run is not None]
+    for view in views:
+        cells = []
+        for name, (before, after) in view.before_after().items():
+            metrics[f"{view.stage}/{name}"] = after
+            if before is None:
+                cells.append(f"{name} {_number(after)}")
+            else:
+                metrics[f"{view.stage}/{name}/before"] = before
+                cells.append(f"{name} {_number(before)} → {_number(after)}")
+        lines.append(f"  {view.stage:<7} {view.status:<9} " + ("  ".join(cells) or "-"))
+    lines += _verdict({view.stage: view for view in views})
+    return "\n".join(lines), metrics
+
+
+def _verdict(views: dict[str, StageView]) -> list[str]:
+    evaluation = views.get("eval")
+    if evaluation is None or "policy" not in evaluation.run.data.params.get("eval.policy_model", "policy"):
+        return []
+    tags, metrics = evaluation.run.data.tags, evaluation.run.data.metrics
+    judges = sorted({name.split("/")[2] for name in metrics if name.startswith("eval/judge/")})
+    if not judges:
+        return []
+    judge = judges[0] if "rlhf.champion" not in tags else next((j for j in judges if f"judge {j}:" in tags["rlhf.champion"]), judges[0])
+    n = int(metrics[f"eval/judge/{judge}/n"])
+    counts = " / ".join(f"{verdict} {round(metrics[f'eval/judge/{judge}/{verdict}_rate'] * n)}"
+                        for verdict in ("win", "tie", "lose"))
+    beat = tags.get("rlhf.champion", "").startswith("yes")
+    lines = [f"Verdict: the policy {'beat' if beat else 'did not beat'} the SFT model ({judge} judge on {n} held-out "
+             f"prompts: {counts}; {tags.get('rlhf.champion', '')})."]
+    if n < 64:
+        lines.append(f"  {n} prompts cannot separate a small improvement from noise; a run this small is not "
+                     f"expected to improve the model measurably (use more eval.prompts and PPO iterations).")
+    outputs = json.loads(tags.get(tracking.OUTPUTS_TAG, "{}"))
+    if "eval_report" in outputs:
+        lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.md)")
+    return lines

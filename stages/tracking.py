@@ -66,10 +66,17 @@ def artifact_root() -> str | None:
     return None
 
 
+# MLflow 3 opens an experiment without this tag in its GenAI view; ours is model training.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(mlflow_client, name: str) -> str:
     root = artifact_root()
     found = mlflow_client.get_experiment_by_name(name)
     if found is not None:
+        if any(found.tags.get(key) != value for key, value in EXPERIMENT_KIND.items()):
+            for key, value in EXPERIMENT_KIND.items():
+                mlflow_client.set_experiment_tag(found.experiment_id, key, value)
         if os.environ.get("RLHF_ARTIFACTS") and not found.artifact_location.startswith(root):
             raise ValueError(f"experiment '{name}' keeps its artifacts in {found.artifact_location}, not under "
                              f"RLHF_ARTIFACTS={root}: an experiment's artifact location is fixed when it is "
@@ -77,7 +84,7 @@ def experiment_id(mlflow_client, name: str) -> str:
         return found.experiment_id
     location = f"{root}/{name}" if root else None
     try:
-        return mlflow_client.create_experiment(name, artifact_location=location)
+        return mlflow_client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
     except Exception:  # created concurrently by another run
         return mlflow_client.get_experiment_by_name(name).experiment_id
 
@@ -352,6 +359,24 @@ class StageRun:
         self._call(self.client.set_terminated, self.run_id, status=status)
 
 
+def ppo_arm(cfg: PipelineConfig) -> str:
+    """What PPO ran as: its preset, and the advantage estimator when it is not GAE."""
+    estimator = cfg.ppo.advantage_estimator
+    return cfg.ppo.preset + ("" if estimator == "gae" else f", {estimator}")
+
+
+def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> str:
+    """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
+    `demo · ppo vanilla rerun of 4ac5fade` for PPO alone on an earlier run's artifacts."""
+    from stages import registry
+
+    if set(registry.names()) <= set(stages):
+        what = ppo_arm(cfg)
+    else:
+        what = ", ".join(f"ppo {ppo_arm(cfg)}" if name == "ppo" else name for name in stages)
+    return f"{cfg.preset} · {what}" + (f" rerun of {from_run[:8]}" if from_run else "")
+
+
 class PipelineRun:
     """The MLflow parent run of one pipeline run; stages are its child runs."""
 
@@ -377,7 +402,7 @@ class PipelineRun:
             tags["rlhf.from_run"] = from_run
         if inputs:
             tags[INPUTS_TAG] = json.dumps(inputs)
-        run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run = mlflow_client.create_run(exp, tags=tags, run_name=run_title(cfg, stages, from_run))
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)
         return cls(mlflow_client, run.info.run_id, cfg)
@@ -411,12 +436,21 @@ class PipelineRun:
         exp = self.client.get_run(self.run_id).info.experiment_id
         tags = {"mlflow.parentRunId": self.run_id, PIPELINE_TAG: "stage", "rlhf.stage": name,
                 "rlhf.git_commit": git_commit(), "rlhf.preset": self.cfg.preset}
-        run = self.client.create_run(exp, tags=tags, run_name=name)
+        run = self.client.create_run(exp, tags=tags, run_name=f"ppo ({ppo_arm(self.cfg)})" if name == "ppo" else name)
         return StageRun(self.client, run.info.run_id, name, self.workdir / name, self.run_id, patience)
 
     def record_stage(self, name: str, stage_run_id: str, how: str) -> None:
         """Tag which stage run holds stage `name` of this pipeline run, and how (`ran`, `reused`, `deployed`)."""
         self.client.set_tag(self.run_id, f"{STAGE_TAG_PREFIX}{name}", f"{how}:{stage_run_id}")
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Metrics of the pipeline run itself (its stages' headline numbers, for MLflow's run list)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
+        for start in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[start : start + 500])
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)

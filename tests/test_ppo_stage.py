@@ -49,6 +49,34 @@ def test_ppo_continues_the_critic_stages_running_moments_without_warmup(full_run
     assert params["ppo.warmup_steps"] == "0" and params["ppo.ptx_source"] == "sft split"
 
 
+def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_run(full_run):
+    """The parent run holds each stage's headline numbers (MLflow's run list and compare view show
+    them) under a name that says what ran; the run's ending is a line per stage and a verdict."""
+    from stages import runs
+
+    client = tracking.client()
+    parent = client.get_run(full_run)
+    assert parent.info.run_name == "tiny · ppo-max"
+    assert stage_run(full_run, "ppo").info.run_name == "ppo (ppo-max)"
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    metrics = parent.data.metrics
+    for name in ("sft/eval/perplexity", "sft/eval/perplexity/before", "reward/eval/accuracy", "ppo/eval/score",
+                 "ppo/eval/score/before", "ppo/eval/kl", "ppo/eval/response_length/before",
+                 "eval/eval/judge/reward_model/win_rate"):
+        assert name in metrics, name
+    ppo_scores = [m.value for m in sorted(client.get_metric_history(stage_run(full_run, "ppo").info.run_id, "eval/score"),
+                                          key=lambda m: m.step)]
+    assert (metrics["ppo/eval/score/before"], metrics["ppo/eval/score"]) == pytest.approx((ppo_scores[0], ppo_scores[-1]))
+    text, _ = runs.ending(full_run)
+    lines = text.splitlines()
+    assert lines[0] == f"Pipeline run {full_run} finished: tiny · ppo-max"
+    assert [line.split()[0] for line in lines[1:7]] == ["data", "sft", "reward", "critic", "ppo", "eval"]
+    assert "eval/score " in lines[5] and " → " in lines[5]
+    verdict = next(line for line in lines if line.startswith("Verdict: the policy "))
+    assert "reward_model judge on 8 held-out prompts" in verdict and "cannot separate" in text
+    assert "Report: runs:/" in text
+
+
 def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):
     import pandas as pd
 
