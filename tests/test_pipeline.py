@@ -91,5 +91,5 @@ def test_a_stage_without_its_inputs_fails_clearly(prefect_server):
 
     with pytest.raises(ValueError, match="stage 'sft' needs splits"):
         rlhf(preset="tiny", stages=["sft"])
-    with pytest.raises(ValueError, match="unknown stages"):
+    with pytest.raises(ValueError, match=r"unknown stage 'sfft' \(did you mean 'sft'\?\); stages: data, sft"):
         rlhf(preset="tiny", stages=["sfft"])
