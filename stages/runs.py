@@ -84,7 +84,7 @@ def format_runs(runs: list) -> str:
         lines = [f"{run.info.run_id}  {run.info.run_name}  {run.info.status}  {started}  "
                  f"preset {tags.get('rlhf.preset', '?')}{origin}"]
         for view in stage_views(run):
-            metrics = "  ".join(f"{name} {_number(value)}" for name, value in view.headline().items())
+            metrics = "  ".join(_cells(view, {}))
             run_id = view.run.info.run_id if view.run else "-"
             lines.append(f"  {view.stage:<7} {view.status:<9} {run_id:<32}  {metrics}".rstrip())
         blocks.append("\n".join(lines))
@@ -161,17 +161,23 @@ def ending(pipeline_run_id: str) -> tuple[str, dict[str, float]]:
     lines, metrics = [f"Pipeline run {pipeline_run_id} finished: {run.info.run_name}"], {}
     views = [view for view in stage_views(run) if view.run is not None]
     for view in views:
-        cells = []
-        for name, (before, after) in view.before_after().items():
-            metrics[f"{view.stage}/{name}"] = after
-            if before is None:
-                cells.append(f"{name} {_number(after)}")
-            else:
-                metrics[f"{view.stage}/{name}/before"] = before
-                cells.append(f"{name} {_number(before)} → {_number(after)}")
-        lines.append(f"  {view.stage:<7} {view.status:<9} " + ("  ".join(cells) or "-"))
+        lines.append(f"  {view.stage:<7} {view.status:<9} " + ("  ".join(_cells(view, metrics)) or "-"))
     lines += _verdict({view.stage: view for view in views})
     return "\n".join(lines), metrics
+
+
+def _cells(view: StageView, metrics: dict[str, float]) -> list[str]:
+    """`name value` per headline metric, `name before → after` where the stage measured both;
+    the values go into `metrics` as `<stage>/<name>` and `<stage>/<name>/before`."""
+    cells = []
+    for name, (before, after) in view.before_after().items():
+        metrics[f"{view.stage}/{name}"] = after
+        if before is None:
+            cells.append(f"{name} {_number(after)}")
+        else:
+            metrics[f"{view.stage}/{name}/before"] = before
+            cells.append(f"{name} {_number(before)} → {_number(after)}")
+    return cells
 
 
 def _verdict(views: dict[str, StageView]) -> list[str]:

@@ -367,13 +367,15 @@ def ppo_arm(cfg: PipelineConfig) -> str:
 
 def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> str:
     """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
-    `demo · ppo vanilla rerun of 4ac5fade` for PPO alone on an earlier run's artifacts."""
+    `demo · ppo vanilla rerun of 4ac5fade` (or `demo · ppo-max rerun of …`) for PPO alone on an
+    earlier run's artifacts."""
     from stages import registry
 
     if set(registry.names()) <= set(stages):
         what = ppo_arm(cfg)
     else:
-        what = ", ".join(f"ppo {ppo_arm(cfg)}" if name == "ppo" else name for name in stages)
+        arm = ppo_arm(cfg) if cfg.ppo.preset.startswith("ppo") else f"ppo {ppo_arm(cfg)}"
+        what = ", ".join(arm if name == "ppo" else name for name in stages)
     return f"{cfg.preset} · {what}" + (f" rerun of {from_run[:8]}" if from_run else "")
 
 

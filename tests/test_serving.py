@@ -160,7 +160,7 @@ def test_runs_lists_stages_status_and_headline_metrics(stack, runs):
     blocks = {block.split()[0]: block for block in out.stdout.split("\n\n")}
     assert {runs["full"], runs["skipped"], runs["vanilla"]} <= set(blocks)
     assert re.search(r"\n  ppo +reused +" + tracking.outputs_of(runs["full"])["ppo_run"], blocks[runs["skipped"]])
-    assert re.search(r"\n  ppo +deployed .*objective/kl ", blocks[runs["full"]])
+    assert re.search(r"\n  ppo +deployed .*eval/score [-\d.]+ → [-\d.]+ +eval/kl ", blocks[runs["full"]])
     assert re.search(r"\n  reward +FINISHED .*eval/accuracy ", blocks[runs["full"]])
 
 
@@ -170,7 +170,7 @@ def test_compare_prints_the_headline_table_and_writes_the_curves(stack, runs, tm
     assert out.returncode == 0, out.stderr
     assert re.search(r"param +ppo\.preset +ppo-max +vanilla", out.stdout)
     assert re.search(r"param +ppo\.switches\.score_mode +normalise +none", out.stdout)
-    for metric in ("objective/scores", "objective/kl", "eval/score", "policy/response_length", "eval/perplexity"):
+    for metric in ("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate", "eval/perplexity"):
         assert re.search(rf"\n\w+ +{re.escape(metric)} +-?[\d.]+ +-?[\d.]+", out.stdout), metric
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
