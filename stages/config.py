@@ -65,7 +65,13 @@ class ModelConfig(_Section):
     tokenizer: str | None = Field(None, description="None: the model's own; `bpe` trains one on the data.")
     bpe_vocab_size: int = Field(1024, description="Vocabulary size of the `bpe` tokenizer.")
     random_init: RandomInit = Field(RandomInit(), description="Shape of the `random:llama` model.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the weights load in.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="One precision for every stage (stages/precision.py). bf16: frozen models (reference, reward "
+                    "model in PPO, judges, C-Eval) hold bf16 weights; trained models compute in bf16 with fp32 master "
+                    "weights and optimiser states (DeepSpeed's bf16 mode on DeepSpeed ranks). auto: bf16 where the "
+                    "device multiplies bf16 natively (a CUDA GPU with bf16, a CPU with AMX-BF16 or AVX512-BF16), "
+                    "else fp32. ours: auto, the hardware's real peak.")
     trust_remote_code: bool = Field(False, description="Run a hub model's own Python code (off unless set).")
     pad_token: str | None = Field(
         "<|endoftext|>",
@@ -441,11 +447,6 @@ class PPOConfig(_Section):
     checkpoint_every: int = Field(10, description="Checkpoint every N iterations. ours: a killed run loses at "
                                                   "most 10 iterations.")
     seed: int = Field(42, description=_SEED)
-    autocast: Literal["none", "bf16"] = Field(
-        "none",
-        description="\"bf16\": the experience and training forwards under bf16 autocast (weights, optimiser and "
-                    "losses stay fp32). Generation's decode stays fp32: it is bound by reading the weights. "
-                    "ours: none, fp32 everywhere by default.")
     launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
     @model_validator(mode="after")

@@ -13,14 +13,14 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import tracking
+from stages import precision, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
 from stages.ppo.trainer import PPOTrainer, explained_variance
 from stages.reward.model import save_reward_model
-from stages.training import masked_mean
+from stages.training import masked_mean, trained_model
 
 
 def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
@@ -49,7 +49,7 @@ def heldout_probe(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
     critic_cfg = cfg.critic
     torch.manual_seed(critic_cfg.seed)
-    tokenizer, policy, _, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
+    tokenizer, policy, _, reward_model, critic, score_fn = load_models(cfg, inputs, dist, train_actor=False)
     prompts = encode_prompts(tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"), cfg.ppo.max_prompt_len)
     # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr.
     ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
@@ -59,7 +59,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
     trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
                          ptx_examples=[], tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model),
-                         train_actor=False)
+                         train_actor=False, precision=precision.resolve(cfg.model.precision, dist.device))
     steps_per_rollout = -(-ppo.rollout_batch_size // ppo.minibatch_size)
     max_rollouts = -(-critic_cfg.max_steps // steps_per_rollout)
     if dist.is_main:
@@ -97,7 +97,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                              "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
                              "critic/converged": float(converged), "critic/rollouts": trainer.iteration,
                              "critic/train_seconds": train_seconds}, step=trainer.iteration * steps_per_rollout)
-        critic_model = trainer.critic.module
+        critic_model = trained_model(trainer.critic)
         critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
         # The running score statistics go with the critic: PPO continues them, count and all.
         published = tracker.publish_model(

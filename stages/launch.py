@@ -71,15 +71,8 @@ class Dist:
 
 
 def _resolve_deepspeed_config(name: str) -> dict:
-    import torch
-
-    config = json.loads(deepspeed_config_path(name).read_text())
-    on_gpu = torch.cuda.is_available()
-    for precision in ("bf16", "fp16"):
-        section = config.get(precision)
-        if section and section.get("enabled") == "auto":
-            section["enabled"] = bool(on_gpu and precision == "bf16" and torch.cuda.is_bf16_supported())
-    return config
+    # bf16 follows model.precision (`stages.training.make_engine` sets it); fp16 is not supported.
+    return json.loads(deepspeed_config_path(name).read_text())
 
 
 def free_port() -> int:

@@ -11,13 +11,13 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import sources, tracking
+from stages import precision, sources, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import shifted_nll
-from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine
+from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model
 
 
 def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -112,7 +112,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps, sft.min_lr_ratio)
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=sft.micro_batch_size,
-                         grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm, dist=dist)
+                         grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm,
+                         precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
 
     pad_id = tokenizer.pad_token_id
     loss_before, ppl_before = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
@@ -171,13 +172,15 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         probe_started, probe = time.perf_counter(), []
 
         def save(out: Path) -> None:
-            engine.module.config.use_cache = True
-            engine.module.save_pretrained(out, safe_serialization=True)
+            model = trained_model(engine)
+            model.config.use_cache = True
+            model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
 
         def held_out_probe(out: Path) -> None:  # for the SFT contract, on the saved weights (whatever engine trained them)
             probe_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
-            probe.extend(generation_probe(sources.load_model(str(out), cfg.model), tokenizer, probe_rows,
+            saved = sources.load_model(str(out), cfg.model, precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
+            probe.extend(generation_probe(saved, tokenizer, probe_rows,
                                           sft.probe_max_new_tokens, sft.max_seq_len))
 
         published = tracker.publish_model(

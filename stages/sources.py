@@ -351,7 +351,9 @@ def load_tokenizer(model_dir: str, cfg: ModelConfig):
     return tokenizer
 
 
-def load_model(model_dir: str, cfg: ModelConfig):
+def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
+    """A causal LM from a local folder of safetensors, its weights in `dtype` (default fp32: a model
+    to train; frozen ones load in the run's precision, `stages.precision.dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -363,7 +365,7 @@ def load_model(model_dir: str, cfg: ModelConfig):
         raise ValueError(f"model {model_dir}: no safetensors weights{found}; weights load as safetensors only, "
                          f"since loading a pickled checkpoint can run any code in it")
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
+        model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
 
 

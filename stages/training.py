@@ -52,11 +52,17 @@ def linear_warmup(optimizer, warmup_steps: int):
 
 
 class PlainEngine:
-    """The slice of DeepSpeed's engine API the stages use, for single-process PyTorch."""
+    """The slice of DeepSpeed's engine API the stages use, for single-process PyTorch.
 
-    def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float):
+    precision="bf16" (`stages.precision`): the model computes with bf16 weights, while `optimizer`
+    keeps stepping the fp32 parameters it was built over, which become the master weights (the
+    model's are their bf16 copies); each backward's gradients are added into the masters' in fp32."""
+
+    def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float,
+                 precision: str = "fp32"):
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self.master = MasterWeights.of(model) if precision == "bf16" else None
         self.micro_steps = 0
         self.last_grad_norm = 0.0
 
@@ -68,17 +74,27 @@ class PlainEngine:
 
     def backward(self, loss) -> None:
         (loss / self.grad_accum_steps).backward()
+        if self.master is not None:
+            self.master.accumulate()
+
+    def trainable_parameters(self) -> list:
+        """What the optimiser steps: the fp32 masters under bf16, else the model's parameters."""
+        if self.master is not None:
+            return self.master.masters
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
             if math.isinf(self.max_grad_norm):  # no clipping (PPO clips actor and critic jointly): no norm either
                 self.last_grad_norm = math.nan
             else:
-                self.last_grad_norm = clip_with_norm([p for p in self.module.parameters() if p.grad is not None],
+                self.last_grad_norm = clip_with_norm([p for p in self.trainable_parameters() if p.grad is not None],
                                                      self.max_grad_norm)
             self.optimizer.step()
             self.lr_scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.master is not None:
+                self.master.copy_to_model()
         self.micro_steps += 1
 
     def get_global_grad_norm(self) -> float:
@@ -86,6 +102,98 @@ class PlainEngine:
 
     def train(self) -> None:
         self.module.train()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with the fp32 master weights (checkpoints)."""
+        state = self.module.state_dict()
+        if self.master is not None:
+            state.update(self.master.named_masters())
+        return state
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if self.master is None:
+            self.module.load_state_dict(state)
+        else:
+            self.master.load(state)
+
+    def restore_fp32(self):
+        """The trained model in fp32 (its master weights back in place) for saving and publishing;
+        the engine trains no further. Returns the model."""
+        if self.master is not None:
+            self.master.restore()
+            self.master = None
+        return self.module
+
+
+class MasterWeights:
+    """The fp32 master weights of a model that computes in bf16 (`PlainEngine`, precision bf16).
+
+    The optimiser was built over the model's fp32 parameters; those Parameter objects are kept as
+    the masters and the model gets bf16 copies in their place (tied weights stay tied). Frozen
+    parameters become bf16 too; buffers (RoPE's inverse frequencies) stay as they are."""
+
+    def __init__(self, model, names: list[list[tuple[torch.nn.Module, str]]], masters: list, copies: list,
+                 frozen: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]):
+        self.model, self.names, self.masters, self.copies, self.frozen = model, names, masters, copies, frozen
+
+    @classmethod
+    def of(cls, model) -> MasterWeights:
+        places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        originals: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                places.setdefault(id(param), []).append((module, name))
+                originals[id(param)] = param
+        names, masters, copies, frozen = [], [], [], []
+        for key, param in originals.items():
+            copy = torch.nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=param.requires_grad)
+            for module, name in places[key]:
+                setattr(module, name, copy)
+            if param.requires_grad:
+                names.append(places[key])
+                masters.append(param)
+                copies.append(copy)
+            else:
+                frozen.extend((module, name, param) for module, name in places[key])
+        return cls(model, names, masters, copies, frozen)
+
+    def accumulate(self) -> None:
+        """Add the bf16 copies' gradients into the masters' (fp32) and free them."""
+        for master, copy in zip(self.masters, self.copies):
+            if copy.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = copy.grad.float()
+            else:
+                master.grad.add_(copy.grad)
+            copy.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for master, copy in zip(self.masters, self.copies):
+            copy.copy_(master)
+
+    def named_masters(self) -> dict[str, torch.Tensor]:
+        """Master weights by their names in the model's state dict (every name of a tied weight)."""
+        paths = {id(module): path for path, module in self.model.named_modules()}
+        return {f"{paths[id(module)]}.{name}".lstrip("."): master
+                for places, master in zip(self.names, self.masters) for module, name in places}
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        named = self.named_masters()
+        for key, value in state.items():
+            if key in named:
+                named[key].copy_(value)
+        self.model.load_state_dict({k: v for k, v in state.items() if k not in named}, strict=False)
+        self.copy_to_model()
+
+    def restore(self) -> None:
+        for places, master in zip(self.names, self.masters):
+            for module, name in places:
+                setattr(module, name, master)
+        for module, name, param in self.frozen:
+            setattr(module, name, param)
 
 
 def autocast(device: str, mixed_precision: str):
@@ -107,13 +215,18 @@ def adamw(model, **options):
 
 
 def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accum_steps: int,
-                max_grad_norm: float, dist: Dist):
+                max_grad_norm: float, precision: str, dist: Dist):
+    """The engine that trains `model` (fp32 weights; `optimizer` built over them) in `precision`
+    (resolved, `stages.precision.resolve`): `PlainEngine`, or DeepSpeed's with its bf16 mode (which
+    keeps fp32 master weights in its optimiser) when the stage runs on DeepSpeed ranks."""
     if dist.deepspeed_config is None:
-        return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm)
+        return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm, precision)
     import deepspeed
 
     config = dict(dist.deepspeed_config)
     config.update(
+        bf16={**config.get("bf16", {}), "enabled": precision == "bf16"},
+        fp16={"enabled": False},
         train_micro_batch_size_per_gpu=micro_batch_size,
         gradient_accumulation_steps=grad_accum_steps,
         train_batch_size=micro_batch_size * grad_accum_steps * dist.world_size,
@@ -121,6 +234,13 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
     )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
+
+
+def trained_model(engine):
+    """The model an engine trained, for saving: in fp32 with its master weights under bf16
+    (`PlainEngine.restore_fp32`; the engine trains no further); DeepSpeed's module as it is (bf16
+    weights under its bf16 mode)."""
+    return engine.restore_fp32() if isinstance(engine, PlainEngine) else engine.module
 
 
 def clip_with_norm(params: list, max_norm: float) -> float:
@@ -141,7 +261,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     import torch
 
     if all(isinstance(engine, PlainEngine) for engine in engines):
-        return clip_with_norm([p for engine in engines for p in engine.module.parameters() if p.grad is not None],
+        return clip_with_norm([p for engine in engines for p in engine.trainable_parameters() if p.grad is not None],
                               max_norm)
     # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
     # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import sources, tracking
+from stages import precision, sources, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.evaluate import ceval, report
@@ -45,9 +45,14 @@ def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
     return local
 
 
+def frozen_dtype(model_cfg: ModelConfig, device: str):
+    """Every model here is frozen: its weights in the run's precision."""
+    return precision.dtype(precision.resolve(model_cfg.precision, device))
+
+
 def load_lm(model_dir: str, model_cfg: ModelConfig, device: str):
     tokenizer = sources.load_tokenizer(model_dir, model_cfg)
-    model = sources.load_model(model_dir, model_cfg).to(device).eval()
+    model = sources.load_model(model_dir, model_cfg, frozen_dtype(model_cfg, device)).to(device).eval()
     sources.align_pad_token(model, tokenizer)
     return model, tokenizer
 
@@ -77,7 +82,7 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     if "reward_model_dir" not in inputs:
         raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none")
     folder = inputs["reward_model_dir"]
-    reward_model = load_reward_model(folder, cfg.model).to(device).eval()
+    reward_model = load_reward_model(folder, cfg.model, frozen_dtype(cfg.model, device)).to(device).eval()
     return RewardModelJudge(spec, reward_model, sources.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
                             cfg.reward.max_response_len, cfg.eval.generation_batch_size)
 

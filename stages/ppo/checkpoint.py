@@ -109,7 +109,7 @@ def _write(trainer, tmp: Path) -> None:
         if trainer.dist.deepspeed_config is not None:
             engine.save_checkpoint(str(tmp / name), tag="state")  # every rank writes its shards
         elif trainer.dist.is_main:
-            weights = {k: v.detach().contiguous().clone() for k, v in engine.module.state_dict().items()}
+            weights = {k: v.detach().contiguous().clone() for k, v in engine.weights().items()}  # fp32 masters
             _save_file(tmp / f"{name}.safetensors", lambda out: out.write(safetensors.torch.save(weights)))
             optim = {"optimizer": engine.optimizer.state_dict(), "scheduler": engine.lr_scheduler.state_dict()}
             _save_file(tmp / f"{name}.optim.pt", lambda out: torch.save(optim, out))
@@ -149,7 +149,7 @@ def load(trainer, folder: Path) -> None:
         if trainer.dist.deepspeed_config is not None:
             engine.load_checkpoint(str(folder / name), tag="state")
         else:
-            engine.module.load_state_dict(load_file(str(folder / f"{name}.safetensors")))
+            engine.load_weights(load_file(str(folder / f"{name}.safetensors")))
             states = torch.load(folder / f"{name}.optim.pt", weights_only=True)
             engine.optimizer.load_state_dict(states["optimizer"])
             engine.lr_scheduler.load_state_dict(states["scheduler"])

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import sources, tracking
+from stages import precision, sources, tracking
 from stages.config import PipelineConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
@@ -22,7 +22,7 @@ from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import load_reward_model
-from stages.training import masked_mean
+from stages.training import masked_mean, trained_model
 
 
 
@@ -42,16 +42,19 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_len: int) -> list[lis
             for r in rows]
 
 
-def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist):
+def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool = True):
     """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode. The
     critic is None when the advantage estimator needs none (the reward model still gives the scores,
-    or with a rule reward the initial score statistics)."""
+    or with a rule reward the initial score statistics). Models to train load in fp32 (their engine
+    keeps those as master weights under bf16), frozen ones in the run's precision; train_actor=False:
+    the actor is frozen too (critic pre-training)."""
     sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
     tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
-    actor = sources.load_model(sft_dir, cfg.model).to(dist.device)
+    frozen = precision.dtype(precision.resolve(cfg.model.precision, dist.device))  # trained ones: fp32 (make_engine)
+    actor = sources.load_model(sft_dir, cfg.model, None if train_actor else frozen).to(dist.device)
     sources.align_pad_token(actor, tokenizer)
-    reference = sources.load_model(sft_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
-    reward_model = load_reward_model(rm_dir, cfg.model).to(dist.device).eval().requires_grad_(False)
+    reference = sources.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
+    reward_model = load_reward_model(rm_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
     critic = (load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
               if needs_critic(cfg.ppo) else None)
     score_fn = reward_model_scores(reward_model) if cfg.ppo.reward == "rm" else rule_scores(tokenizer, cfg.ppo.reward)
@@ -147,7 +150,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     moments = initial_moments(reward_model, critic if pretrained_critic else None)
     trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
                          ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=moments,
-                         warmup=warmup_steps(ppo, pretrained_critic))
+                         warmup=warmup_steps(ppo, pretrained_critic),
+                         precision=precision.resolve(cfg.model.precision, dist.device))
 
     checkpoints = dist.workdir / "checkpoints"
     resume_from = checkpoint.latest(checkpoints)
@@ -198,7 +202,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         # The policy contract's probe: the final evaluation beside the SFT policy's means.
         probe = final.assign(sft_response_tokens_mean=baseline["response_tokens"].mean(),
                              sft_perplexity_mean=baseline["perplexity"].mean())
-        policy = trainer.actor.module
+        policy = trained_model(trainer.actor)
 
         def save(out: Path) -> None:
             policy.config.use_cache = True

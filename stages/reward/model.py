@@ -53,8 +53,8 @@ class RewardModel(torch.nn.Module):
         return rewards, lm_logits
 
 
-def reward_model_from_lm(model_dir: str, model_cfg: ModelConfig) -> RewardModel:
-    lm = sources.load_model(model_dir, model_cfg)
+def reward_model_from_lm(model_dir: str, model_cfg: ModelConfig, dtype=None) -> RewardModel:
+    lm = sources.load_model(model_dir, model_cfg, dtype)
     lm.config.use_cache = False
     return RewardModel(lm)
 
@@ -72,11 +72,12 @@ def save_reward_model(model: RewardModel, tokenizer, out: Path, extra: dict) -> 
     (out / REWARD_CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
 
-def load_reward_model(folder: str | Path, model_cfg: ModelConfig) -> RewardModel:
+def load_reward_model(folder: str | Path, model_cfg: ModelConfig, dtype=None) -> RewardModel:
     """A saved reward model, with `score_mean`/`score_std` from its reward_config.json, and for a
-    critic the running score statistics its pre-training ended with (`running_moments`)."""
+    critic the running score statistics its pre-training ended with (`running_moments`). Weights in
+    `dtype` (default fp32)."""
     folder = Path(folder)
-    model = reward_model_from_lm(str(folder), model_cfg)
+    model = reward_model_from_lm(str(folder), model_cfg, dtype)
     model.score_head.load_state_dict(load_file(str(folder / SCORE_HEAD_FILE)))
     config = json.loads((folder / REWARD_CONFIG_FILE).read_text())
     model.score_mean, model.score_std = config["score_mean"], config["score_std"]

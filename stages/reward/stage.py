@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import sources, tracking
+from stages import precision, sources, tracking
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -22,7 +22,7 @@ from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.reward.batching import PairBatchSampler
 from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.report import margin_histogram, worst_pairs
-from stages.training import adamw, collate, cosine_with_warmup, make_engine
+from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 
@@ -151,7 +151,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * total_steps), total_steps)
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
-                         grad_accum_steps=1, max_grad_norm=rm.max_grad_norm, dist=dist)
+                         grad_accum_steps=1, max_grad_norm=rm.max_grad_norm,
+                         precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
     if dist.is_main:
         tracker.log_params({"model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
                             "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
@@ -211,7 +212,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_table(worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS), "eval/worst_pairs.json")
         probe_uri = tracker.log_probe(scores.probe(heldout_rows), "reward_probe")
         published = tracker.publish_model(
-            lambda out: save_reward_model(engine.module, tokenizer, out, {"heldout_pairs": len(heldout),
+            lambda out: save_reward_model(trained_model(engine), tokenizer, out, {"heldout_pairs": len(heldout),
                                                                            "heldout_accuracy": metrics["eval/accuracy"]}),
             cfg=cfg, inputs=inputs,
             lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",

@@ -1,0 +1,130 @@
+"""model.precision: its resolution, and bf16 training with fp32 master weights (PlainEngine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stages import precision
+from stages.config import ConfigError, load_config
+from stages.losses import shifted_nll
+from stages.sources import load_model
+from stages.training import PlainEngine, adamw, collate, linear_warmup, trained_model
+
+
+def test_auto_is_bf16_exactly_where_the_device_multiplies_bf16_natively(monkeypatch):
+    for flags, expected in [((), "fp32"), (("avx512_bf16",), "bf16"), (("amx_bf16", "avx512_bf16"), "bf16")]:
+        monkeypatch.setattr(precision, "cpu_bf16_flags", lambda flags=flags: flags)
+        assert precision.resolve("auto", "cpu") == expected
+        assert precision.resolve("fp32", "cpu") == "fp32" and precision.resolve("bf16", "cpu") == "bf16"
+        assert ("without" in precision.describe("cpu")) == (not flags)
+
+
+def test_the_cpu_flags_are_read_from_proc_cpuinfo():
+    text = open("/proc/cpuinfo").read()
+    flags = next(line for line in text.splitlines() if line.startswith("flags")).split(":")[1].split()
+    assert precision.cpu_bf16_flags() == tuple(f for f in precision.BF16_CPU_FLAGS if f in flags)
+
+
+def test_old_precision_keys_are_gone():
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config("tiny", ["model.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="ppo.autocast"):
+        load_config("tiny", ["ppo.autocast=bf16"])
+    assert load_config("tiny", ["model.precision=bf16"]).model.precision == "bf16"
+
+
+def test_frozen_models_load_bf16_weights_with_fp32_rope(tiny):
+    folder, _, _ = tiny
+    model = load_model(folder, load_config("tiny").model, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # RoPE's inverse frequencies stay fp32: in bf16, position 500's angle would be off by radians.
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def _engine(tiny, mode: str, accum: int = 1) -> PlainEngine:
+    folder, _, _ = tiny
+    torch.manual_seed(0)
+    model = load_model(folder, load_config("tiny").model)
+    optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    return PlainEngine(model, optimizer, linear_warmup(optimizer, 0), accum, 1.0, mode)
+
+
+def _batch(tiny, rows: slice):
+    _, _, prompts = tiny
+    return collate([(p, p) for p in prompts[rows]], pad_id=0)
+
+
+def _train(engine: PlainEngine, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        logits = engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll, tokens = shifted_nll(logits, batch["labels"])
+        loss = nll / tokens
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_engine_computes_in_bf16_and_steps_fp32_masters(tiny):
+    engine = _engine(tiny, "bf16")
+    model = engine.module
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    masters = engine.trainable_parameters()
+    assert masters and {m.dtype for m in masters} == {torch.float32}
+    before = [m.detach().clone() for m in masters]
+    _train(engine, [_batch(tiny, slice(0, 8))])
+    assert any(not torch.equal(b, m) for b, m in zip(before, masters))
+    # The model's weights are the masters rounded to bf16.
+    for copy, master in zip(engine.master.copies, masters):
+        assert torch.equal(copy, master.detach().to(torch.bfloat16))
+    # Tied weights (the tiny Llama ties its embeddings to the LM head, if it does) stay one tensor.
+    if model.config.tie_word_embeddings:
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+
+
+def test_bf16_training_follows_fp32_training(tiny):
+    batches = [_batch(tiny, slice(i * 8, i * 8 + 8)) for i in range(4)]
+    fp32, bf16 = _train(_engine(tiny, "fp32"), batches), _train(_engine(tiny, "bf16"), batches)
+    assert all(math.isfinite(x) for x in bf16)
+    # bf16 carries 8 significant bits: ~0.4 % per rounding; the losses agree to 2 %.
+    for a, b in zip(fp32, bf16):
+        assert b == pytest.approx(a, rel=0.02)
+    assert bf16[-1] < bf16[0]
+
+
+def test_gradients_accumulate_in_fp32(tiny):
+    engine = _engine(tiny, "bf16", accum=2)
+    batches = [_batch(tiny, slice(0, 4)), _batch(tiny, slice(4, 8))]
+    expected = None
+    for batch in batches:
+        logits = engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll, tokens = shifted_nll(logits, batch["labels"])
+        loss = nll / tokens
+        engine.backward(loss)
+        grads = [m.grad.clone() for m in engine.trainable_parameters()]
+        assert {g.dtype for g in grads} == {torch.float32}
+        if expected is None:
+            expected = grads
+        engine.step()  # the first is not a boundary: nothing is stepped or zeroed
+    assert all(copy.grad is None for copy in engine.master.copies)
+    assert all(m.grad is None for m in engine.trainable_parameters())  # zeroed after the boundary step
+
+
+def test_checkpoint_weights_are_the_masters_and_restore_fp32_gives_them_back(tiny):
+    engine = _engine(tiny, "bf16")
+    _train(engine, [_batch(tiny, slice(0, 8))])
+    weights = engine.weights()
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float32}
+    other = _engine(tiny, "bf16")
+    other.load_weights(weights)
+    for a, b in zip(other.trainable_parameters(), engine.trainable_parameters()):
+        assert torch.equal(a, b)
+    model = trained_model(engine)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    state = model.state_dict()
+    for name, value in weights.items():
+        assert torch.equal(state[name], value), name
