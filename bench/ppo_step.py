@@ -89,7 +89,7 @@ def main() -> None:
 
     import torch
 
-    from stages import sources
+    from stages import precision, sources
     from stages.config import load_config
     from stages.data import SPLITS, load_pairs, make_splits
     from stages.reward.model import reward_model_from_lm, save_reward_model
@@ -97,14 +97,15 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config(args.preset, [f"ppo.rollout_batch_size={args.batch_size}",
                                     f"ppo.generation.max_new_tokens={args.response_length}",
-                                    *(["model.dtype=bfloat16"] if device.startswith("cuda") else []), *args.overrides])
+                                    *args.overrides])
     cfg.ppo.minibatch_size = min(cfg.ppo.minibatch_size, cfg.ppo.rollout_batch_size)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
     corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
     model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)  # tiny: its BPE tokenizer learns on these
     ppo = cfg.ppo
-    print(f"preset {cfg.preset}, model {cfg.model.name_or_path} ({cfg.model.dtype}) on {device}; "
+    print(f"preset {cfg.preset}, model {cfg.model.name_or_path} (precision {cfg.model.precision} → "
+          f"{precision.resolve(cfg.model.precision, device)}; {precision.describe(device)}) on {device}; "
           f"{ppo.rollout_batch_size} prompts × ≤{ppo.generation.max_new_tokens} new tokens per iteration, "
           f"minibatch {ppo.minibatch_size}, ptx batch {ppo.ptx_batch_size}; {args.iterations} iterations per mode "
           f"after {args.warmup} warm-up; {args.threads or torch.get_num_threads()} threads")

@@ -190,6 +190,17 @@ def _explain(cfg, preset: str, overrides: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _precision_line(cfg) -> str:
+    """What model.precision resolves to on this machine (a YAML comment)."""
+    import torch
+
+    from stages import precision
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return (f"# model.precision {cfg.model.precision} resolves to {precision.resolve(cfg.model.precision, device)} "
+            f"on this machine ({precision.describe(device)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.preset, args.overrides)
             print(_explain(cfg, args.preset, args.overrides) if args.explain
                   else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            print(_precision_line(cfg))
             return 0
         if args.command == "serve":
             from prefect import serve as prefect_serve

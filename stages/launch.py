@@ -113,7 +113,7 @@ def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
 
 def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
     """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
-    from stages import tracking
+    from stages import precision, tracking
 
     spec = registry.get(stage)
     missing = [name for name in spec.inputs if name not in inputs and name not in spec.optional_inputs]
@@ -122,6 +122,9 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
                          f"or pass from_run=<pipeline run id> (or 'latest')")
     pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
     tracker = pipeline.stage(stage, resumes=spec.resumes)
+    device = stage_device(cfg, stage)
+    tracker.log_params({"precision": precision.resolve(cfg.model.precision, device),
+                        "precision.hardware": precision.describe(device)})
     try:
         outputs = run_stage(stage, cfg, tracker, inputs)
     except BaseException as err:
@@ -132,14 +135,26 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
     return outputs
 
 
+def in_process(cfg: PipelineConfig, stage: str) -> bool:
+    launch = getattr(getattr(cfg, stage, None), "launch", None)
+    return launch is None or (launch.world_size == 1 and launch.deepspeed is None and launch.hostfile is None)
+
+
+def stage_device(cfg: PipelineConfig, stage: str) -> str:
+    """Where a stage computes: its ranks use the GPU when there is one (`_rank_main`); in-process, the CPU."""
+    import torch
+
+    return "cuda" if not in_process(cfg, stage) and torch.cuda.is_available() else "cpu"
+
+
 def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     """Run one stage in-process, or as ranks when its launch config asks; returns its outputs."""
     module = registry.get(stage).load()
     if hasattr(module, "prepare"):
         inputs = {**inputs, **module.prepare(cfg, inputs)}
-    launch = getattr(getattr(cfg, stage, None), "launch", None)
-    if launch is None or (launch.world_size == 1 and launch.deepspeed is None and launch.hostfile is None):
+    if in_process(cfg, stage):
         return module.run(cfg, tracker, inputs, Dist(workdir=tracker.workdir))
+    launch = getattr(cfg, stage).launch
     spec_path = tracker.workdir / "launch.json"
     out_path = tracker.workdir / "outputs.json"
     out_path.unlink(missing_ok=True)

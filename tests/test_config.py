@@ -56,7 +56,7 @@ def test_overrides_change_the_config_hash():
         ("nosuch.key=1", "unknown key 'nosuch'"),
         ("sft.lr=fast", "'sft.lr'"),
         ("sft=3", "'sft' is a section"),
-        ("model.dtype=float8", "'model.dtype'"),
+        ("model.precision=float8", "'model.precision'"),
         ("justtext", "expected section.key=value"),
     ],
 )

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from stages import tracking
+from stages import precision, tracking
 from stages.config import REPO_ROOT, load_config
 
 
@@ -29,6 +29,9 @@ def test_pipeline_registers_an_sft_model_that_lowers_perplexity(tiny_run):
     assert all(run.info.status == "FINISHED" for run in children.values())
 
     sft = children["sft"]
+    # model.precision auto, resolved on this machine and logged by the stage.
+    assert sft.data.params["precision"] == precision.resolve("auto", "cpu")
+    assert sft.data.params["precision.hardware"] == precision.describe("cpu")
     before, after = sft.data.metrics["sft/perplexity_before"], sft.data.metrics["sft/perplexity_after"]
     assert after < before
     history = client.get_metric_history(sft.info.run_id, "train/loss")

@@ -128,3 +128,13 @@ def test_checkpoint_weights_are_the_masters_and_restore_fp32_gives_them_back(tin
     state = model.state_dict()
     for name, value in weights.items():
         assert torch.equal(state[name], value), name
+
+
+def test_rlhf_config_says_what_precision_resolves_to_here():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "config", "--preset", "tiny"], capture_output=True,
+                         text=True, check=True).stdout
+    assert (f"# model.precision auto resolves to {precision.resolve('auto', 'cpu')} on this machine "
+            f"({precision.describe('cpu')})") in out
