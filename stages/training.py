@@ -1,6 +1,6 @@
 """What every training stage shares: batching (collate), masked means, lr schedules, the
 optimiser (fused AdamW), the engine (single-process PyTorch or DeepSpeed), gradient clipping (one
-clip over several engines, ZeRO included), bf16 autocast, and greedy generation for the contract
+clip over several engines, ZeRO included), and greedy generation for the contract
 probes. Stage modules import these from here; `stages.launch` only launches."""
 
 from __future__ import annotations
@@ -194,14 +194,6 @@ class MasterWeights:
                 setattr(module, name, master)
         for module, name, param in self.frozen:
             setattr(module, name, param)
-
-
-def autocast(device: str, mixed_precision: str):
-    """bf16 autocast for mixed_precision "bf16" (GPUs run bf16 matmuls several times faster than
-    fp32), else ("none") a no-op context."""
-    import torch
-
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16")
 
 
 def adamw(model, **options):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from stages import precision
 from stages.config import load_config
 from stages.launch import Dist
 from stages.ppo.experience import rule_scores
@@ -22,11 +23,12 @@ def make_trainer(tiny, *overrides: str, **trainer_args) -> PPOTrainer:
                                "ppo.critic_lr=3e-3", f"ppo.reward={RULE}", "ppo.ptx=false",
                                "ppo.eos_penalty=false", *overrides])
     model_cfg = cfg.model
+    resolved = precision.resolve(model_cfg.precision, "cpu")  # tiny: fp32, unless a test sets model.precision
     torch.manual_seed(0)  # the critic's fresh value head: the same in every test
-    reference = load_model(folder, model_cfg).eval().requires_grad_(False)
+    reference = load_model(folder, model_cfg, precision.dtype(resolved)).eval().requires_grad_(False)
     args = dict(actor=load_model(folder, model_cfg), critic=RewardModel(load_model(folder, model_cfg)),
                 reference=reference, score_fn=rule_scores(tokenizer, RULE), prompts=prompts, ptx_examples=[],
-                tokenizer=tokenizer, dist=Dist())
+                tokenizer=tokenizer, dist=Dist(), precision=resolved)
     return PPOTrainer(cfg.ppo, **{**args, **trainer_args})
 
 

@@ -280,9 +280,9 @@ def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
     folder, _, _ = tiny
     loaded = []
 
-    def fake_reward_model(path, model_cfg):
+    def fake_reward_model(path, model_cfg, dtype=None):
         loaded.append(path)
-        return RewardModel(load_model(folder, model_cfg))
+        return RewardModel(load_model(folder, model_cfg, dtype))
 
     monkeypatch.setattr(stage, "load_reward_model", fake_reward_model)
     monkeypatch.setattr(stage.tracking, "download", lambda uri: f"local/{uri}")

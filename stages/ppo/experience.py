@@ -16,7 +16,6 @@ import torch
 from stages.ppo.decoding import PromptPass
 from stages.ppo.generation import generate, token_logprobs
 from stages.reward.model import RewardModel
-from stages.training import autocast
 from stages.unpadded import last_hidden_state, unpadded_ok
 
 
@@ -75,7 +74,7 @@ def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: t
 @torch.no_grad()
 def make_experience(actor, reference, critic: RewardModel | None, score_fn, prompts: list[list[int]], *, eos_id: int,
                     pad_id: int, generation: dict, with_values: bool = True, keep_prompt_graph: bool = False,
-                    mixed_precision: str = "none", device: str = "cpu") -> Experience:
+                    device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
     `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores.
     with_values=False leaves V_old to the training step, which computes it in its own forward (or,
@@ -88,22 +87,21 @@ def make_experience(actor, reference, critic: RewardModel | None, score_fn, prom
     sequences, attention_mask, width = rollout.sequences, rollout.attention_mask, rollout.prompt_width
     response_mask = rollout.response_mask
     temperature, response = generation["temperature"], sequences[:, width:]
-    with autocast(device, mixed_precision):
-        if reference is actor:
-            ref_logprobs, ref_model_logprobs = rollout.logprobs, rollout.model_logprobs
-        else:
-            ref_logits = response_logits(reference, sequences, attention_mask, width)
-            ref_logprobs = token_logprobs(ref_logits, response, temperature) * response_mask
-            ref_model_logprobs = (token_logprobs(ref_logits, response, 1.0) * response_mask
-                                  if temperature != 1.0 else ref_logprobs)
-            del ref_logits
-        lap("ref_logprobs")
-        values = None
-        if with_values:
-            values = token_values(critic, sequences, attention_mask, width) * response_mask
-            lap("values")
-        scores = score_fn(sequences, attention_mask, width, response_mask).float()
-        lap("scores")
+    if reference is actor:
+        ref_logprobs, ref_model_logprobs = rollout.logprobs, rollout.model_logprobs
+    else:
+        ref_logits = response_logits(reference, sequences, attention_mask, width)
+        ref_logprobs = token_logprobs(ref_logits, response, temperature) * response_mask
+        ref_model_logprobs = (token_logprobs(ref_logits, response, 1.0) * response_mask
+                              if temperature != 1.0 else ref_logprobs)
+        del ref_logits
+    lap("ref_logprobs")
+    values = None
+    if with_values:
+        values = token_values(critic, sequences, attention_mask, width) * response_mask
+        lap("values")
+    scores = score_fn(sequences, attention_mask, width, response_mask).float()
+    lap("scores")
     return Experience(sequences, attention_mask, width, response_mask, rollout.ended_with_eos, rollout.logprobs,
                       ref_logprobs, values, scores, model_logprobs=rollout.model_logprobs,
                       ref_model_logprobs=ref_model_logprobs, seconds=lap.seconds, prompt_pass=rollout.prompt_pass)

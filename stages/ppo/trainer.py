@@ -25,7 +25,7 @@ from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_w
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.ppo.generation import log_distribution, picked
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
-from stages.training import adamw, autocast, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
+from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
 
 
 def shuffled_order(count: int, rng: random.Random) -> list[int]:
@@ -48,10 +48,11 @@ def warmup_steps(ppo: PPOConfig, pretrained_critic: bool) -> int:
 class PPOTrainer:
     def __init__(self, ppo: PPOConfig, *, actor, critic, reference, score_fn, prompts: list[list[int]],
                  ptx_examples: list, tokenizer, dist: Dist, moments: RunningMoments | None = None,
-                 train_actor: bool = True, warmup: int = 0):
+                 train_actor: bool = True, warmup: int = 0, precision: str = "fp32"):
         """train_actor=False freezes the policy: critic pre-training (paper §5.4) with exactly
         PPO's rollouts, reward shaping and GAE returns. warmup: lr warm-up steps (`warmup_steps`).
-        critic: None exactly when the advantage estimator needs none."""
+        critic: None exactly when the advantage estimator needs none. precision: the resolved
+        `model.precision` the engines train in (`stages.precision`; the frozen models come loaded in it)."""
         self.ppo, self.switches, self.dist, self.train_actor = ppo, ppo.switches(), dist, train_actor
         self.estimator = advantage_estimator(ppo.advantage_estimator)
         self.policy_loss = registered_policy_loss(ppo.policy_loss)
@@ -72,7 +73,7 @@ class PPOTrainer:
         def engine(model, lr, decay):
             optimizer = adamw(model, lr=lr, betas=ppo.adam_betas, weight_decay=decay)
             return make_engine(model, optimizer, linear_warmup(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
-                               grad_accum_steps=1, max_grad_norm=engine_clip, dist=dist)
+                               grad_accum_steps=1, max_grad_norm=engine_clip, precision=precision, dist=dist)
 
         self.actor = engine(actor, ppo.actor_lr, ppo.actor_weight_decay) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
         # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
@@ -80,8 +81,8 @@ class PPOTrainer:
         one_update = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
         self.values_in_training = one_update and critic is not None
         # Likewise the actor is unchanged: the prompt part of its training forward is the rollout's
-        # prefill, kept with its graph. Not under autocast, which the sampling loop does not use.
-        self.prompt_pass_in_training = one_update and train_actor and ppo.autocast == "none"
+        # prefill, kept with its graph.
+        self.prompt_pass_in_training = one_update and train_actor
         self.critic = engine(critic, ppo.critic_lr, ppo.critic_weight_decay) if critic is not None else None
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
@@ -123,7 +124,7 @@ class PPOTrainer:
         critic = self.critic.module if self.critic is not None else None
         exp = make_experience(self.actor.module, self.reference, critic, self.score_fn, prompts, eos_id=self.eos_id,
                               pad_id=self.pad_id, generation=ppo.generation.model_dump(), with_values=with_values,
-                              keep_prompt_graph=keep_prompt_graph, mixed_precision=ppo.autocast, device=self.dist.device)
+                              keep_prompt_graph=keep_prompt_graph, device=self.dist.device)
         exp.groups = torch.arange(len(prompts), device=exp.scores.device) // group_size
         # Score reparameterisation on running statistics of the RM's own scores, updated before use,
         # and the EOS penalty in the same units (§5.3.1).
@@ -226,8 +227,7 @@ class PPOTrainer:
                 mask = mb.response_mask
                 step_stats: dict = {}
                 if self.critic is not None:
-                    with autocast(self.dist.device, ppo.autocast):
-                        values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
+                    values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
                     if mb.values is None:  # values_in_training: V_old and GAE (eq. 3) from this very forward
                         mb.values = values.detach() * mask
                         self.estimate_advantages(mb)
@@ -245,11 +245,14 @@ class PPOTrainer:
                     step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
 
                 if self.train_actor:
-                    with autocast(self.dist.device, ppo.autocast):
-                        logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width,
-                                                 mb.prompt_pass)
+                    logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width,
+                                             mb.prompt_pass)
                     log_pi = log_distribution(logits, temperature)
                     logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
+                    if steps == 0 and "val/logprob_diff" not in sums:
+                        # Before any update θ = θ_old: the training forward must give the rollout's
+                        # log-probabilities; what it does not is numerical (bf16, kernels) mismatch.
+                        sums["val/logprob_diff"] = masked_mean((logprobs.detach() - mb.logprobs).abs(), mask).item()
                     pg_loss, pg_stats = self.policy_loss(logprobs, mb.logprobs, advantages, mask, ppo)
                     with torch.set_grad_enabled(ppo.entropy_coef != 0):  # else only a statistic: no backward
                         policy_entropy = masked_mean(entropy(log_pi), mask)
@@ -260,8 +263,7 @@ class PPOTrainer:
                         step_stats["loss/kl_avg"] = kl_term
                     ptx = torch.zeros(())
                     if sw["ptx"] and self.ptx_examples:
-                        with autocast(self.dist.device, ppo.autocast):
-                            ptx = self._ptx_loss()
+                        ptx = self._ptx_loss()
                         actor_loss = actor_loss + ppo.ptx_coef * ptx
                     step_stats.update({POLICY_STAT_NAMES.get(name, f"policy/{name}_avg"): value
                                        for name, value in pg_stats.items()})
@@ -286,7 +288,9 @@ class PPOTrainer:
                 if not math.isnan(grad_norm):
                     sums["policy/grad_norm"] = sums.get("policy/grad_norm", 0.0) + grad_norm
                 steps += 1
-        return {name: total / steps for name, total in sums.items()}
+        logprob_diff = sums.pop("val/logprob_diff", None)
+        stats = {name: total / steps for name, total in sums.items()} if steps else {}
+        return stats if logprob_diff is None else {**stats, "val/logprob_diff": logprob_diff}
 
     def engines(self) -> list:
         """The engines that train: the actor (unless frozen) and the critic (if any)."""
