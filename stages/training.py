@@ -219,6 +219,7 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
     config.update(
         bf16={**config.get("bf16", {}), "enabled": precision == "bf16"},
         fp16={"enabled": False},
+        communication_data_type="fp32",  # gradients are reduced in fp32 (bf16 sums lose low bits)
         train_micro_batch_size_per_gpu=micro_batch_size,
         gradient_accumulation_steps=grad_accum_steps,
         train_batch_size=micro_batch_size * grad_accum_steps * dist.world_size,
