@@ -54,20 +54,18 @@ class Shapes:
         return sum(2 * self.body_params + self.layers * 4 * self.d * (c + 1) for c in contexts) + self.head(len(contexts))
 
 
-def phase_flops(shapes: Shapes, exp, *, critic_forward: bool, prompt_pass: bool) -> dict[str, float]:
+def phase_flops(shapes: Shapes, exp, *, critic: bool) -> dict[str, float]:
     """Model FLOPs of one PPO iteration's phases from its experience: real tokens only (padding is
     waste, not useful work). Generation: prefill over the prompts, then one position per row and
     step, LM head on one position per row and step. Experience: π_SFT (body + LM head on response
-    positions), the reward model, and the critic unless V_old comes from its training forward.
-    Training: actor and critic forward + backward (3 × forward), the actor's LM head on response
-    positions; with the prefill's graph kept (`prompt_pass`), the actor's prompt forward is the
-    prefill, already counted in generation."""
+    positions), the reward model, and the critic (if any). Training: actor and critic (if any)
+    forward + backward (3 × forward), the actor's LM head on response positions."""
     prompt = exp.attention_mask[:, : exp.prompt_width].sum(1).tolist()
     response = exp.response_mask.sum(1).long().tolist()
     full = [p + r for p, r in zip(prompt, response)]
     steps = exp.response_mask.shape[1]
     decode = sum(shapes.decode_step([p + j for p in prompt]) for j in range(steps - 1))
-    trained = shapes.body(full) + shapes.head(sum(response)) + shapes.body(full)  # actor, critic
+    trained = shapes.body(full) + shapes.head(sum(response)) + critic * shapes.body(full)  # actor, critic
     return {"generate": shapes.body(prompt) + shapes.head(len(prompt)) + decode,
-            "experience": (2 + critic_forward) * shapes.body(full) + shapes.head(sum(response)),
-            "train": 3 * trained - (shapes.body(prompt) if prompt_pass else 0.0)}
+            "experience": (2 + critic) * shapes.body(full) + shapes.head(sum(response)),
+            "train": 3 * trained}

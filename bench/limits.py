@@ -45,8 +45,7 @@ def main() -> None:
             if iteration < args.warmup:
                 continue
             exp = trainer.last_experience
-            flops = phase_flops(shapes, exp, critic_forward="time/values" in metrics,
-                                prompt_pass=trainer.prompt_pass_in_training)
+            flops = phase_flops(shapes, exp, critic=trainer.critic is not None)
             for phase, seconds in (("generate", metrics["time/generate"]),
                                    ("experience", sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))),
                                    ("train", metrics["time/train"])):

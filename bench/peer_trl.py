@@ -171,7 +171,7 @@ def run_ours(spec: dict) -> None:
         metrics = trainer.step()
         seconds = time.perf_counter() - started
         exp = trainer.last_experience
-        flops = phase_flops(shapes, exp, critic_forward="time/values" in metrics, prompt_pass=trainer.prompt_pass_in_training)
+        flops = phase_flops(shapes, exp, critic=trainer.critic is not None)
         report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()),
                model_flops=sum(flops.values()))
     finish()

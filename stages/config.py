@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +73,18 @@ class ModelConfig(_Section):
                     "device multiplies bf16 natively (a CUDA GPU with bf16, a CPU with AMX-BF16 or AVX512-BF16), "
                     "else fp32. ours: auto, the hardware's real peak.")
     trust_remote_code: bool = Field(False, description="Run a hub model's own Python code (off unless set).")
+    fast_path: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: the forward passes and the sampling loop's decode step take the architecture's fast "
+                    "path where stages/models registers one (Llama: padding-free linear layers, a fused decode "
+                    "step) and it applies; off: every model's own transformers forward. ours: auto; the tests "
+                    "hold both paths to the same numbers.")
+
+    @field_validator("fast_path", mode="before")
+    @classmethod
+    def _yaml_off_is_off(cls, value):
+        """YAML 1.1 reads a bare `off` (in a preset or `--set model.fast_path=off`) as false."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
     pad_token: str | None = Field(
         "<|endoftext|>",
         description="SmolLM2 uses its EOS as pad: padding masks would then hide every EOS. Replace it: a tokenizer "

@@ -364,9 +364,13 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
         found = f" (it has {', '.join(pickled)})" if pickled else ""
         raise ValueError(f"model {model_dir}: no safetensors weights{found}; weights load as safetensors only, "
                          f"since loading a pickled checkpoint can run any code in it")
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
+    from stages.models import set_fast_path
+
+    set_fast_path(model, cfg.fast_path)
+    return model
 
 
 def align_pad_token(model, tokenizer) -> None:

@@ -1,5 +1,6 @@
-"""The PPO speed paths compute what the plain ones do: the padding-free forward, log π_old taken
-from the sampling loop, and V_old taken from the critic's training forward."""
+"""The fast paths (stages/models, `model.fast_path: auto`) compute what the plain path (`off`,
+each model's own transformers forward) does; log π_old taken from the sampling loop equals a full
+forward's."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import torch
 from ppo_helpers import greedy_one_minibatch_trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from stages import models
+from stages.config import load_config
+from stages.models import CachedDecoder, last_hidden_state, set_fast_path
+from stages.models.llama import Decoder as LlamaDecoder
 from stages.ppo.experience import response_logits
-from stages.ppo.generation import generate, token_logprobs
-from stages.unpadded import last_hidden_state, position_ids
+from stages.ppo.generation import generate, left_pad, token_logprobs
+from stages.sources import load_model
 
 
-def small_llama(**extra) -> LlamaForCausalLM:
+def small_llama(fast_path: str = "auto", **extra) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **extra))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, **extra))
+    set_fast_path(model, fast_path)
+    return model
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,58 +37,63 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("from_position", [0, 4, 10])  # 10: a row whose kept positions are all padding
-def test_the_padding_free_forward_gives_the_models_own_hidden_states_and_gradients(from_position):
-    model = small_llama()
+def test_the_padding_free_forward_gives_the_plain_paths_hidden_states_and_gradients(from_position):
     ids, mask = padded_batch()
     real = mask.bool()[:, from_position:, None]
-    own = model.base_model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                           use_cache=False).last_hidden_state[:, from_position:]
-    ours = last_hidden_state(model.base_model, ids, mask, from_position=from_position)
+    plain, fast = small_llama("off"), small_llama("auto")  # the same weights (seed 0)
+    own = last_hidden_state(plain.base_model, ids, mask, from_position=from_position)
+    ours = last_hidden_state(fast.base_model, ids, mask, from_position=from_position)
     assert ours.shape == own.shape
     assert torch.allclose(own * real, ours, atol=1e-5)
-    assert ours.masked_select(~real).abs().max() == 0
+    assert ours.masked_select(~real).abs().max() == 0  # the fast path: pads are never computed
+    assert own.masked_select(~real).abs().max() > 0  # the plain path computes them too
     weights = torch.randn_like(own) * real
-    own_grads = torch.autograd.grad((own * weights).sum(), list(model.base_model.parameters()))
-    our_grads = torch.autograd.grad((ours * weights).sum(), list(model.base_model.parameters()))
+    own_grads = torch.autograd.grad((own * weights).sum(), list(plain.base_model.parameters()))
+    our_grads = torch.autograd.grad((ours * weights).sum(), list(fast.base_model.parameters()))
     for own_grad, our_grad in zip(own_grads, our_grads):
         assert torch.isfinite(our_grad).all()
         assert torch.allclose(own_grad, our_grad, atol=1e-5, rtol=1e-4)
 
 
-def test_a_prefix_of_keys_and_values_with_its_graph_stands_in_for_the_prompt_positions():
-    """The PPO actor's training forward over the response positions only, on the prefill's graph:
-    the same hidden states and the same gradients as the forward over all positions."""
-    model = small_llama()
+def test_model_fast_path_from_the_config_chooses_the_path(tiny):
+    folder, _, _ = tiny
     ids, mask = padded_batch()
-    mask[:, 5] = 1  # prompts end at position 5, as left-padded prompts do
-    start = 6
-    real = mask.bool()[:, start:, None]
-    whole = last_hidden_state(model.base_model, ids, mask, from_position=start)
-    prefix: list = []
-    last_prompt = last_hidden_state(model.base_model, ids[:, :start], mask[:, :start], keys_values=prefix,
-                                    from_position=start - 1)
-    rest = last_hidden_state(model.base_model, ids, mask, from_position=start, prefix=prefix)
-    assert rest.shape == whole.shape
-    assert torch.allclose(whole, rest, atol=1e-5)
-    assert rest.masked_select(~real).abs().max() == 0
-    before = last_hidden_state(model.base_model, ids, mask, from_position=start - 1)[:, :1]
-    assert torch.allclose(before, last_prompt, atol=1e-5)
-    weights = torch.randn_like(whole) * real
-    parameters = list(model.base_model.parameters())
-    whole_grads = torch.autograd.grad((whole * weights).sum() + before.sum(), parameters)
-    rest_grads = torch.autograd.grad((rest * weights).sum() + last_prompt.sum(), parameters)
-    for whole_grad, rest_grad in zip(whole_grads, rest_grads):
-        assert torch.allclose(whole_grad, rest_grad, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="inside the 6 prefix positions"):
-        last_hidden_state(model.base_model, ids, mask, from_position=start - 1, prefix=prefix)
+    for setting in ("auto", "off"):
+        model = load_model(folder, load_config("tiny", [f"model.fast_path={setting}"]).model)
+        assert models.fast_path(model.base_model) is (models.FAST_PATHS["llama"] if setting == "auto" else None)
+        hidden = last_hidden_state(model.base_model, ids, mask)
+        assert (hidden.masked_select(~mask.bool()[..., None]).abs().max() == 0) == (setting == "auto")
+        decoder = models.decoder(model.eval(), *left_pad([[5, 6, 7], [8]], pad_id=0, device="cpu"), 4)
+        assert isinstance(decoder, LlamaDecoder if setting == "auto" else CachedDecoder)
 
 
 def test_other_architectures_take_their_own_forward():
     model = small_llama()
-    model.config.model_type = "not-llama"  # e.g. a model whose layers this module does not know
+    model.config.model_type = "not-llama"  # e.g. a model whose layers no fast path knows
     ids, mask = padded_batch()
     hidden = last_hidden_state(model.base_model, ids, mask)
     assert hidden.masked_select(~mask.bool()[..., None]).abs().max() > 0  # the model's own: pads computed too
+    assert isinstance(models.decoder(model.eval(), ids, mask, 3), CachedDecoder)
+
+
+def test_a_ppo_step_is_the_same_on_the_fast_and_the_plain_path(tiny):
+    """One greedy PPO iteration with model.fast_path auto against off: the same rollout, losses and update."""
+    results = {}
+    for setting in ("auto", "off"):
+        trainer = greedy_one_minibatch_trainer(tiny, f"model.fast_path={setting}")
+        metrics = trainer.step()
+        results[setting] = (metrics, trainer.last_experience.sequences,
+                            [p.detach().clone() for p in trainer.actor.module.parameters()])
+    (fast, fast_sequences, fast_actor), (plain, plain_sequences, plain_actor) = results["auto"], results["off"]
+    assert torch.equal(fast_sequences, plain_sequences)
+    for name in ("objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "policy/grad_norm",
+                 "val/explained_variance"):
+        assert fast[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
+    # Adam's first step moves a weight by about lr whatever the gradient's size, so float rounding
+    # in a near-zero gradient shows up in the weights: 1 % of a step is the same update.
+    step = trainer.ppo.actor_lr
+    for a, b in zip(fast_actor, plain_actor):
+        assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("sampling", [
@@ -106,23 +118,20 @@ def test_sampled_log_probabilities_equal_a_full_forward(sampling):
 def test_our_llama_decode_steps_give_transformers_logits(extra):
     """Prefill and decode steps of our Llama decoder (fused, packed weights; attention over the
     filled cache) against transformers' forward over its static cache, on left-padded prompts."""
-    from stages.ppo.decoding import CachedDecoder, LlamaDecoder, decoder
-    from stages.ppo.generation import left_pad
-
     model = small_llama(**extra).eval()
     for parameter in model.parameters():  # weights far from init's near-uniform attention; biases ≠ 0
         torch.nn.init.normal_(parameter, std=0.3)
     ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]], pad_id=0, device="cpu")
-    ours, theirs = LlamaDecoder(model, ids, mask, 6), CachedDecoder(model, ids, mask, 6)
-    assert isinstance(decoder(model, ids, mask, 6), LlamaDecoder)
-    (a, _), (b, _) = ours.prefill(), theirs.prefill()
+    ours = models.decoder(model, ids, mask, 6)
+    set_fast_path(model, "off")
+    theirs = models.decoder(model, ids, mask, 6)
+    assert isinstance(ours, LlamaDecoder) and isinstance(theirs, CachedDecoder)
+    a, b = ours.prefill(), theirs.prefill()
     assert torch.allclose(a, b, atol=1e-4) and a.std() > 0.3
     for tokens in ([20, 21, 22], [2, 30, 31], [40, 41, 42], [50, 51, 52], [60, 61, 62]):
         token = torch.tensor(tokens)
         a, b = ours.step(token), theirs.step(token)
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
-    model.config.model_type = "not-llama"
-    assert isinstance(decoder(model, ids, mask, 6), CachedDecoder)
 
 
 def test_greedy_sampling_with_a_repetition_penalty_matches_transformers_on_generated_tokens():
@@ -184,52 +193,6 @@ def test_generation_stops_when_every_row_has_ended_and_masks_after_eos():
     assert (response[torch.arange(3), lengths - 1] == 2).all()
     after = rollout.response_mask == 0
     assert (response[after] == 0).all() and (rollout.logprobs[after] == 0).all()
-
-
-def test_values_from_the_training_forward_give_the_same_update(tiny):
-    """One epoch, one minibatch: V_old from the critic's training forward, or from a forward of
-    its own in the rollout: the same losses and the same weights after the step."""
-    results = []
-    for in_training in (True, False):
-        trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
-        assert trainer.values_in_training
-        trainer.values_in_training = in_training
-        metrics = trainer.step()
-        assert ("time/values" in metrics) != in_training  # the rollout skipped the critic's forward
-        results.append((metrics, [p.detach().clone() for p in trainer.critic.module.parameters()],
-                        [p.detach().clone() for p in trainer.actor.module.parameters()]))
-    (fused, critic_a, actor_a), (plain, critic_b, actor_b) = results
-    for name in ("loss/value_avg", "loss/policy_avg", "val/explained_variance", "objective/kl", "policy/grad_norm"):
-        assert fused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
-    # Adam's first step moves a weight by about lr whatever the gradient's size, so float rounding
-    # in a near-zero gradient shows up in the weights: 1 % of a step is the same update.
-    step = trainer.ppo.actor_lr
-    assert step == trainer.ppo.critic_lr
-    for a, b in zip(critic_a + actor_a, critic_b + actor_b):
-        assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
-
-
-def test_the_prefills_graph_in_the_actors_training_forward_gives_the_same_update(tiny):
-    """One epoch, one minibatch: the actor's training forward runs the response positions only, on
-    the graph its rollout's prefill kept, or runs the whole sequences: the same update."""
-    trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
-    assert trainer.prompt_pass_in_training
-    exp, _, _ = trainer.rollout(trainer.next_prompts(), with_values=False, keep_prompt_graph=True)
-    assert exp.prompt_pass.last_hidden.requires_grad and len(exp.prompt_pass.keys_values) == 2
-    assert exp.rows(torch.arange(2)).prompt_pass is None
-    results = []
-    for reuse in (True, False):
-        trainer = greedy_one_minibatch_trainer(tiny, "ppo.ppo_epochs=1")
-        trainer.prompt_pass_in_training = reuse
-        metrics = trainer.step()
-        assert trainer.last_experience.prompt_pass is None  # freed with its graph
-        results.append((metrics, [p.detach().clone() for p in trainer.actor.module.parameters()]))
-    (reused, actor_a), (plain, actor_b) = results
-    for name in ("loss/policy_avg", "policy/approxkl_avg", "policy/entropy_avg", "policy/grad_norm"):
-        assert reused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
-    step = trainer.ppo.actor_lr  # 1 % of an Adam step: the same update (see the test above)
-    for a, b in zip(actor_a, actor_b):
-        assert torch.allclose(a, b, atol=0.01 * step), (a - b).abs().max()
 
 
 def test_inverse_cdf_sampling_draws_from_the_distribution():

@@ -224,27 +224,6 @@ def test_a_critic_exactly_when_the_estimator_needs_one(tiny):
     assert pretraining.engines() == [pretraining.critic] and "loss/value_avg" in pretraining.step()
 
 
-def test_without_a_critic_one_minibatch_reuses_the_prefill_for_the_same_update(tiny):
-    """One epoch, one minibatch, no critic: the minibatch is the whole experience with the actor's
-    prefill graph (`prompt_pass_in_training`); the same update as the plain forward."""
-    results = []
-    for reuse in (True, False):
-        trainer = make_trainer(tiny, "ppo.advantage_estimator=reinforce++", "ppo.rollout_batch_size=8",
-                               "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
-                               "ppo.generation.max_new_tokens=8", critic=None)
-        assert trainer.prompt_pass_in_training and not trainer.values_in_training
-        trainer.prompt_pass_in_training = reuse
-        metrics = trainer.step()
-        assert trainer.last_experience.prompt_pass is None
-        results.append((metrics, [p.detach().clone() for p in trainer.actor.module.parameters()]))
-    (reused, actor_a), (plain, actor_b) = results
-    for name in ("loss/policy_avg", "policy/approxkl_avg", "policy/grad_norm"):
-        assert reused[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), name
-    assert reused["policy/grad_norm"] > 0
-    for a, b in zip(actor_a, actor_b):  # 1 % of an Adam step: the same update (test_ppo_fast_paths)
-        assert torch.allclose(a, b, atol=0.01 * trainer.ppo.actor_lr), (a - b).abs().max()
-
-
 def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeypatch):
     """Adding an estimator or a policy loss is one function with its decorator: here, in this test,
     plain REINFORCE (the sequence reward on every token, no baseline) and an unclipped surrogate."""

@@ -14,7 +14,7 @@ import torch
 
 from stages.config import DataConfig
 from stages.ppo.generation import left_pad
-from stages.unpadded import last_hidden_state
+from stages.models import last_hidden_state
 from stages.sources import DataError, data_dir, read_records, resolve_local
 
 LETTERS = "ABCD"

@@ -3,7 +3,7 @@
 Every estimator is one function of one signature, `fn(AdvantageInputs) -> (advantages, returns)`,
 registered with `@register_advantage_estimator(name, needs_critic=...)`: adding one is one function
 (the config and the trainer find it by name). The trainer calls the registered function in one
-place (`PPOTrainer.estimate_advantages`). Built in:
+place (`PPOTrainer.rollout`). Built in:
 
 - `gae` (the default; PPO-max, paper §5.3.2 eq. 3): GAE on the critic's values.
 - `grpo` (DeepSeekMath, Shao et al. 2024), `rloo` (Ahmadian et al. 2024) and `reinforce++` (Hu 2025):

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.ppo.decoding import PromptPass
 from stages.ppo.generation import generate, token_logprobs
 from stages.reward.model import RewardModel
-from stages.unpadded import last_hidden_state, unpadded_ok
+from stages.models import last_hidden_state
 
 
 @dataclass
@@ -28,7 +27,7 @@ class Experience:
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # log π_old(a_j | s_j)
     ref_logprobs: torch.Tensor  # log π_SFT(a_j | s_j)
-    values: torch.Tensor | None  # V_old(s_j); None until the training forward fills it in, or without a critic
+    values: torch.Tensor | None  # V_old(s_j); None without a critic
     scores: torch.Tensor  # [B] raw score r(x, y)
     # log π_old and log π_SFT at T = 1, the models' own distributions: their perplexities (the
     # paper's collapse indicator). The same tensors as logprobs / ref_logprobs when T = 1.
@@ -40,27 +39,16 @@ class Experience:
     kl: torch.Tensor | None = None
     groups: torch.Tensor | None = None  # [B] long: rows with one index are samples of one prompt (adjacent rows)
     seconds: dict[str, float] | None = None  # wall time of each rollout phase, for time/* metrics and bench/
-    prompt_pass: PromptPass | None = None  # the actor's prefill with its graph, for a training forward of the same weights
 
     def rows(self, index: torch.Tensor) -> "Experience":
-        """A minibatch: the same fields for a subset of rows (the prompt pass is of all rows: dropped)."""
-        picked = {k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return Experience(**{**picked, "prompt_pass": None})
+        """A minibatch: the same fields for a subset of rows."""
+        return Experience(**{k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()})
 
 
-def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                    prompt_pass: PromptPass | None = None) -> torch.Tensor:
+def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
     """Logits predicting each response token: the last layer and the LM head run on response
-    positions only (position P − 1 predicts the first response token). With the prompt pass of
-    these weights, the prompt's positions are not run again: its keys and values, and its hidden
-    state at P − 1, come with their graph from the prefill."""
-    base = model.base_model
-    if prompt_pass is None or not unpadded_ok(base):  # (dropout in training: the prefill had none)
-        hidden = last_hidden_state(base, sequences, attention_mask, from_position=prompt_width - 1)[:, :-1]
-    else:
-        response = last_hidden_state(base, sequences, attention_mask, from_position=prompt_width,
-                                     prefix=prompt_pass.keys_values)
-        hidden = torch.cat([prompt_pass.last_hidden[:, None], response[:, :-1]], dim=1)
+    positions only (position P − 1 predicts the first response token)."""
+    hidden = last_hidden_state(model.base_model, sequences, attention_mask, from_position=prompt_width - 1)[:, :-1]
     return model.get_output_embeddings()(hidden)
 
 
@@ -73,16 +61,12 @@ def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: t
 
 @torch.no_grad()
 def make_experience(actor, reference, critic: RewardModel | None, score_fn, prompts: list[list[int]], *, eos_id: int,
-                    pad_id: int, generation: dict, with_values: bool = True, keep_prompt_graph: bool = False,
-                    device: str = "cpu") -> Experience:
+                    pad_id: int, generation: dict, device: str = "cpu") -> Experience:
     """Roll out the actor on `prompts` and record log π_old, log π_SFT, V_old and r(x, y).
     `score_fn(sequences, attention_mask, prompt_width, response_mask)` returns [B] scores.
-    with_values=False leaves V_old to the training step, which computes it in its own forward (or,
-    critic None, to no one);
-    keep_prompt_graph keeps the actor's prefill with its graph for that step (`Experience.prompt_pass`)."""
+    critic None: no values (a critic-free advantage estimator)."""
     lap = Laps(device)
-    rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device,
-                       keep_prompt_graph=keep_prompt_graph, **generation)
+    rollout = generate(actor, prompts, eos_id=eos_id, pad_id=pad_id, device=device, **generation)
     lap("generate")  # log π_old comes with the samples: no second forward of the actor
     sequences, attention_mask, width = rollout.sequences, rollout.attention_mask, rollout.prompt_width
     response_mask = rollout.response_mask
@@ -97,14 +81,14 @@ def make_experience(actor, reference, critic: RewardModel | None, score_fn, prom
         del ref_logits
     lap("ref_logprobs")
     values = None
-    if with_values:
+    if critic is not None:
         values = token_values(critic, sequences, attention_mask, width) * response_mask
         lap("values")
     scores = score_fn(sequences, attention_mask, width, response_mask).float()
     lap("scores")
     return Experience(sequences, attention_mask, width, response_mask, rollout.ended_with_eos, rollout.logprobs,
                       ref_logprobs, values, scores, model_logprobs=rollout.model_logprobs,
-                      ref_model_logprobs=ref_model_logprobs, seconds=lap.seconds, prompt_pass=rollout.prompt_pass)
+                      ref_model_logprobs=ref_model_logprobs, seconds=lap.seconds)
 
 
 class Laps:

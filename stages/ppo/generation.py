@@ -4,7 +4,7 @@ The log-probabilities come from the very logits the token was sampled from, so t
 needs no second forward pass of the actor (TRL reads them from `generate`'s scores the same way;
 we keep one number per token instead of the [B, R, vocab] scores). The loop stops as soon as every
 row has ended, and the LM head runs on one position per row and step, prompt included. The model
-steps come from `stages.ppo.decoding`.
+steps come from `stages.models.decoder` (a model's fast path, or its own forward).
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The repetition penalty reads the tokens generated so far, not the prompt's (paper
@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from stages.ppo.decoding import PromptPass, decoder
+
+from stages.models import decoder
 
 
 @dataclass
@@ -30,7 +31,6 @@ class Rollout:
     ended_with_eos: torch.Tensor  # [B] bool
     logprobs: torch.Tensor  # [B, R] log π(a_j | s_j) under logits / temperature, 0 after the end
     model_logprobs: torch.Tensor  # [B, R] the same at T = 1, the model's own (its perplexity); `logprobs` when T = 1
-    prompt_pass: PromptPass | None = None  # the prefill with its graph (keep_prompt_graph, Llama decoder)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,17 +84,14 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, tempera
 
 @torch.no_grad()
 def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
-             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu",
-             keep_prompt_graph: bool = False) -> Rollout:
-    """keep_prompt_graph: the prefill records its autograd graph, and the rollout carries it
-    (`Rollout.prompt_pass`) for a training forward of the same weights."""
+             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu") -> Rollout:
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
     batch = prompt_ids.shape[0]
     was_training = actor.training
     actor.eval()
     steps = max(max_new_tokens, 1)
     model = decoder(actor, prompt_ids, prompt_mask, steps)
-    logits, prompt_pass = model.prefill(keep_prompt_graph)
+    logits = model.prefill()
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     # The tokens each row generated so far, only when the penalty reads them. A row's pads after
     # its EOS are not generated tokens.
@@ -125,5 +122,5 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     return Rollout(sequences=torch.cat([prompt_ids, response], dim=1),
                    attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1), prompt_width=prompt_ids.shape[1],
                    response_mask=response_mask.float(), ended_with_eos=ended,
-                   logprobs=logprobs, prompt_pass=prompt_pass,
+                   logprobs=logprobs,
                    model_logprobs=torch.stack(model_logprobs, dim=1) * response_mask if model_logprobs else logprobs)

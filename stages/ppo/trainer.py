@@ -76,13 +76,6 @@ class PPOTrainer:
                                grad_accum_steps=1, max_grad_norm=engine_clip, precision=precision, dist=dist)
 
         self.actor = engine(actor, ppo.actor_lr, ppo.actor_weight_decay) if train_actor else FrozenPolicy(actor.requires_grad_(False).eval())
-        # One epoch of one minibatch: the critic is unchanged until its only step, so V_old is the
-        # value its training forward computes. The rollout then skips the critic's own forward.
-        one_update = ppo.ppo_epochs == 1 and ppo.minibatch_size >= ppo.rollout_batch_size
-        self.values_in_training = one_update and critic is not None
-        # Likewise the actor is unchanged: the prompt part of its training forward is the rollout's
-        # prefill, kept with its graph.
-        self.prompt_pass_in_training = one_update and train_actor
         self.critic = engine(critic, ppo.critic_lr, ppo.critic_weight_decay) if critic is not None else None
         self.iteration, self.episode, self.cursor = 0, 0, 0
         self.guard = NonFiniteGuard("ppo" if train_actor else "critic", ppo.max_nonfinite_steps, dist)
@@ -109,22 +102,18 @@ class PPOTrainer:
         return [self.prompts[i] for i in self.order[start : start + size] for _ in range(self.group_size)]
 
     # -- one iteration ------------------------------------------------------------------------
-    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True, with_values: bool = True,
-                keep_prompt_graph: bool = False, group_size: int = 1) -> tuple[Experience, torch.Tensor, float]:
+    def rollout(self, prompts: list[list[int]], *, update_moments: bool = True,
+                group_size: int = 1) -> tuple[Experience, torch.Tensor, float]:
         """Roll out on `prompts`, shape the rewards and estimate the advantages: (the experience with
         rewards, KL, advantages and returns; the shaped scores; β). Held-out rollouts pass
         update_moments=False: they are judged on the running score statistics without changing them.
-        with_values=False leaves V_old, and so GAE, to the training step (see `values_in_training`);
-        keep_prompt_graph keeps the actor's prefill for it (`prompt_pass_in_training`). group_size:
-        each `group_size` adjacent rows are samples of one prompt (`next_prompts`)."""
+        group_size: each `group_size` adjacent rows are samples of one prompt (`next_prompts`)."""
         ppo, sw = self.ppo, self.switches
         if len(prompts) % group_size or any(p != prompts[i - i % group_size] for i, p in enumerate(prompts)):
             raise ValueError(f"the rows of a rollout come in groups of {group_size} adjacent copies of one prompt")
-        with_values = with_values and self.critic is not None
         critic = self.critic.module if self.critic is not None else None
         exp = make_experience(self.actor.module, self.reference, critic, self.score_fn, prompts, eos_id=self.eos_id,
-                              pad_id=self.pad_id, generation=ppo.generation.model_dump(), with_values=with_values,
-                              keep_prompt_graph=keep_prompt_graph, device=self.dist.device)
+                              pad_id=self.pad_id, generation=ppo.generation.model_dump(), device=self.dist.device)
         exp.groups = torch.arange(len(prompts), device=exp.scores.device) // group_size
         # Score reparameterisation on running statistics of the RM's own scores, updated before use,
         # and the EOS penalty in the same units (§5.3.1).
@@ -138,17 +127,11 @@ class PPOTrainer:
         reward_beta = beta if ppo.kl_penalty_in == "reward" else 0.0
         exp.rewards, exp.kl = token_rewards(shaped, exp.logprobs, exp.ref_logprobs, exp.response_mask, reward_beta,
                                             ppo.kl_estimator)
-        if exp.values is not None or not self.estimator.needs_critic:
-            self.estimate_advantages(exp)
-        return exp, shaped, beta
-
-    def estimate_advantages(self, exp: Experience) -> None:
-        """The one place the registered advantage estimator runs: in the rollout, or for GAE with
-        `values_in_training` in the training step, once V_old is known. Sets exp.advantages and
-        exp.returns (None without a critic to train)."""
-        inputs = AdvantageInputs(exp.rewards, exp.response_mask, exp.values, exp.groups, self.ppo,
+        # The registered advantage estimator: exp.advantages, and exp.returns (None without a critic).
+        inputs = AdvantageInputs(exp.rewards, exp.response_mask, exp.values, exp.groups, ppo,
                                  self.dist.all_reduce_sum if self.dist.distributed else None)
         exp.advantages, exp.returns = self.estimator.fn(inputs)
+        return exp, shaped, beta
 
     def kl_loss_coef(self) -> float:
         """β of the KL loss term: kl_penalty_in=loss with the KL penalty switched on, else 0."""
@@ -156,8 +139,7 @@ class PPOTrainer:
 
     def step(self) -> dict[str, float]:
         started = time.perf_counter()
-        exp, shaped, beta = self.rollout(self.next_prompts(), with_values=not self.values_in_training,
-                                         keep_prompt_graph=self.prompt_pass_in_training, group_size=self.group_size)
+        exp, shaped, beta = self.rollout(self.next_prompts(), group_size=self.group_size)
         rollout_seconds = time.perf_counter() - started
 
         train_started = time.perf_counter()
@@ -165,7 +147,6 @@ class PPOTrainer:
         finite = self.guard.check({"scores": exp.scores, "rewards": exp.rewards}, f"iteration {self.iteration + 1}",
                                   last=False)
         stats = self.optimise(exp) if finite else {}
-        exp.prompt_pass = None  # its graph is used or, after a skipped update, not needed
         self.iteration += 1
         self.episode += len(exp.scores) * self.dist.world_size
         elapsed = time.perf_counter() - started
@@ -198,11 +179,9 @@ class PPOTrainer:
             "time/train": time.perf_counter() - train_started,
             "eps": len(exp.scores) * self.dist.world_size / elapsed,
         }
-        # No values if the update was skipped before the critic's forward (values_in_training).
         if self.critic is not None:
-            metrics["val/mean"] = masked_mean(exp.values, mask).item() if exp.values is not None else math.nan
-            metrics["val/explained_variance"] = (explained_variance(exp.values, exp.returns, mask)
-                                                 if exp.values is not None else math.nan)
+            metrics["val/mean"] = masked_mean(exp.values, mask).item()
+            metrics["val/explained_variance"] = explained_variance(exp.values, exp.returns, mask)
         metrics = self.mean_across_ranks(metrics)
         metrics.update({"lr": (self.actor if self.train_actor else self.critic).lr_scheduler.get_last_lr()[0],
                         "episode": self.episode})
@@ -220,17 +199,11 @@ class PPOTrainer:
         for _ in range(ppo.ppo_epochs):
             order = torch.randperm(len(exp.scores))
             for start in range(0, len(order), ppo.minibatch_size):
-                # The whole experience, in rollout order, when its advantages wait for this step's values
-                # (values_in_training) or, without a critic, when it keeps the actor's prefill for this step.
-                whole = exp.advantages is None or (self.critic is None and exp.prompt_pass is not None)
-                mb = exp if whole else exp.rows(order[start : start + ppo.minibatch_size])
+                mb = exp.rows(order[start : start + ppo.minibatch_size])
                 mask = mb.response_mask
                 step_stats: dict = {}
                 if self.critic is not None:
                     values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                    if mb.values is None:  # values_in_training: V_old and GAE (eq. 3) from this very forward
-                        mb.values = values.detach() * mask
-                        self.estimate_advantages(mb)
                 if sw["whiten_advantages"] and self.estimator.whiten_switch:
                     # over the global minibatch: the same on 1 rank or N
                     advantages = masked_whiten(mb.advantages, mask, all_reduce_sum=self.dist.all_reduce_sum)
@@ -245,8 +218,7 @@ class PPOTrainer:
                     step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
 
                 if self.train_actor:
-                    logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width,
-                                             mb.prompt_pass)
+                    logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
                     log_pi = log_distribution(logits, temperature)
                     logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
                     if steps == 0 and "val/logprob_diff" not in sums:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from stages import sources
 from stages.config import ModelConfig
-from stages.unpadded import last_hidden_state
+from stages.models import last_hidden_state
 
 SCORE_HEAD_FILE = "score_head.safetensors"
 REWARD_CONFIG_FILE = "reward_config.json"

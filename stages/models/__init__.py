@@ -1,0 +1,61 @@
+"""The forward passes the stages share, by architecture: a per-architecture fast path where one is
+registered and applies, else the plain path (each model's own transformers forward).
+
+`model.fast_path` (`auto` | `off`) chooses; `sources.load_model` records the setting on the model
+(`set_fast_path`), so the reward model, critic, reference, actor and C-Eval scorer all follow it.
+A model built elsewhere (tests, benches) takes `auto` unless `set_fast_path` says otherwise.
+
+Adding a model's fast path: one module beside `llama.py` with `forward_applies(base_model)`,
+`last_hidden_state(base_model, input_ids, attention_mask, from_position)`,
+`decoder_applies(model)` and a decoder class (`prefill()`, `step(token)`), one entry in
+`FAST_PATHS`, and an equality test against the plain path (tests/test_ppo_fast_paths.py).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from stages.models import llama, plain
+from stages.models.plain import CachedDecoder, position_ids
+
+FAST_PATHS: dict[str, ModuleType] = {"llama": llama}  # config.model_type → its fast-path module
+FAST_PATH_ATTRIBUTE = "rlhf_fast_path"
+
+
+def set_fast_path(model, setting: str) -> None:
+    """Record `model.fast_path` on a loaded model (its base model carries it)."""
+    if setting not in ("auto", "off"):
+        raise ValueError(f"model.fast_path={setting!r}: expected auto or off")
+    setattr(model.base_model, FAST_PATH_ATTRIBUTE, setting)
+
+
+def fast_path(base_model) -> ModuleType | None:
+    """The fast-path module registered for this model's architecture, unless its setting is off."""
+    if getattr(base_model, FAST_PATH_ATTRIBUTE, "auto") == "off":
+        return None
+    return FAST_PATHS.get(base_model.config.model_type)
+
+
+def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      from_position: int = 0) -> torch.Tensor:
+    """[B, L − from_position, hidden] final hidden states of positions from_position … L − 1 of a
+    (left- and/or right-) padded batch, by the fast path where it applies."""
+    fast = fast_path(base_model)
+    if fast is not None and fast.forward_applies(base_model):
+        return fast.last_hidden_state(base_model, input_ids, attention_mask, from_position)
+    return plain.last_hidden_state(base_model, input_ids, attention_mask, from_position)
+
+
+def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
+    """The sampling loop's model steps: `prefill()` gives the logits after each prompt, then
+    `step(token)` feeds one token per row and gives the next logits, both [B, vocab]."""
+    fast = fast_path(model.base_model)
+    if fast is not None and fast.decoder_applies(model):
+        return fast.Decoder(model, prompt_ids, prompt_mask, max_new_tokens)
+    return CachedDecoder(model, prompt_ids, prompt_mask, max_new_tokens)
+
+
+__all__ = ["FAST_PATHS", "CachedDecoder", "decoder", "fast_path", "last_hidden_state", "position_ids",
+           "set_fast_path"]

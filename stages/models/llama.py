@@ -1,0 +1,198 @@
+"""Llama-architecture fast paths (SmolLM2, Llama, the tiny test models), chosen by
+`stages.models` under `model.fast_path: auto`.
+
+`last_hidden_state`: a decoder forward whose linear layers skip the padding. Rollout batches are
+padded twice: prompts on the left to the longest prompt, responses on the right after their EOS,
+and a linear layer costs the same for a pad as for a token. Here every linear layer runs on the
+real tokens only, gathered into one [N, hidden] matrix; only attention, which needs the [batch,
+length] layout, scatters them back. The result is the same hidden states as the model's own forward
+(tests compare them), with zeros at pad positions.
+
+`Decoder`: our own decode step for the sampling loop. At small batch a decode step is bound by
+reading the weights: q|k|v and gate|up are one matrix product each; on CPU in fp32 the weights are
+packed once per rollout for the batch size (MKL's packed GEMM); attention reads the filled part of
+the cache only; the prompt goes through the padding-free body, which hands over its keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
+
+from stages.models.plain import partitioned, position_ids
+
+
+def forward_applies(base_model) -> bool:
+    """Whether the padding-free forward computes what the model's own would: not with gradient
+    checkpointing or attention dropout in training."""
+    return (not getattr(base_model, "gradient_checkpointing", False)
+            and not (base_model.training and base_model.config.attention_dropout > 0))
+
+
+def decoder_applies(model) -> bool:
+    """The decode step reads whole weights outside their modules: not under ZeRO-3, whose weights
+    exist whole only inside their module's own forward."""
+    return forward_applies(model.base_model) and not any(partitioned(p) for p in model.parameters())
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A LlamaRMSNorm module's output; in fp32 (no autocast) from torch's one-kernel form, the same
+    numbers in one kernel forward and backward instead of the module's five operations."""
+    if (x.dtype == norm.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
+            and not partitioned(norm.weight)):
+        return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+    return norm(x)
+
+
+def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, from_position: int = 0,
+                      keys_values: list | None = None) -> torch.Tensor:
+    """[B, L − from_position, hidden] final hidden states of positions from_position … L − 1 of a
+    (left- and/or right-) padded batch. The last layer runs its queries, attention output and MLP
+    on those positions only (keys and values on all). `keys_values`, a list, receives each layer's
+    (keys, values) after RoPE, [B, kv_heads, L, head_dim] (the decoder's prefill)."""
+    positions = position_ids(attention_mask)
+    batch, length = input_ids.shape
+    width = length
+    index = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat [B, L] positions of real tokens
+    x = base_model.embed_tokens(input_ids.reshape(-1)[index])  # [N, hidden]
+    cos, sin = base_model.rotary_emb(x, position_ids=positions)
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, width, head_dim]: one rotation for all heads
+    # Causal over real keys; a pad query attends to itself only, so no softmax row is all masked
+    # (that row would be NaN, and its NaN gradient would reach real keys).
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=x.device)
+    allowed = ((causal & attention_mask.bool()[:, None, :]) | diagonal)[:, None]
+    # Additive rather than boolean: SDPA's CPU kernel is faster with it (bench/ppo_step.py).
+    mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, -torch.inf)
+    # The last layer's rows: real tokens at positions ≥ from_position, laid out as [B, L − from_position].
+    skipped = from_position
+    column = index % width
+    kept = (column >= skipped).nonzero().squeeze(1)  # rows of x
+    kept_index = ((index // width) * (length - from_position) + column - skipped).index_select(0, kept)
+
+    def padded(t: torch.Tensor, head_dim: int, flat: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, heads·d] at flat positions of a [B, width] layout → [B, heads, width, d]."""
+        full = t.new_zeros(batch * width, t.shape[-1]).index_copy_(0, flat, t)  # in place: no copy of the zeros
+        return full.view(batch, width, -1, head_dim).transpose(1, 2)
+
+    layers = base_model.layers[: base_model.config.num_hidden_layers]
+    for number, layer in enumerate(layers, start=1):
+        attn = layer.self_attn
+        h = rms_norm(layer.input_layernorm, x)
+        k, v = (padded(proj(h), attn.head_dim, index, width) for proj in (attn.k_proj, attn.v_proj))
+        k = k * cos + rotate_half(k) * sin
+        if keys_values is not None:
+            keys_values.append((k, v))
+        query_index, queries = index, width
+        if number == len(layers) and from_position > 0:
+            x, h = x.index_select(0, kept), h.index_select(0, kept)
+            query_index, queries = kept_index, length - from_position
+        q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
+        q = q * cos[..., -queries:, :] + rotate_half(q) * sin[..., -queries:, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., -queries:, :].to(q.dtype),
+                                             scale=attn.scaling, enable_gqa=True)
+        # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1).index_select(0, query_index))
+        x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+    x = rms_norm(base_model.norm, x)
+    queries = length - from_position
+    return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
+
+
+class Decoder:
+    def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
+        self.base, self.prompt_ids, self.prompt_mask = model.base_model, prompt_ids, prompt_mask
+        config = self.base.config
+        batch, width = prompt_ids.shape
+        layers = self.base.layers[: config.num_hidden_layers]
+        self.layers = [DecodeLayer(layer, config, batch) for layer in layers]
+        self.lm_head = PackedLinear([model.get_output_embeddings()], batch)
+        weight = self.lm_head.weight
+        shape = (len(layers), batch, config.num_key_value_heads, width + max_new_tokens, layers[0].self_attn.head_dim)
+        self.keys = weight.new_zeros(shape)
+        self.values = weight.new_zeros(shape)
+        # Additive attention bias over cache slots: −inf on the prompts' left padding.
+        self.bias = weight.new_zeros((batch, 1, 1, shape[3]))
+        self.bias[:, 0, 0, :width].masked_fill_(prompt_mask == 0, -torch.inf)
+        self.positions = position_ids(prompt_mask)[:, -1:]
+        self.filled = width
+
+    def prefill(self) -> torch.Tensor:
+        """The logits after each prompt."""
+        keys_values: list = []
+        hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values,
+                                   from_position=self.filled - 1)[:, -1]  # left-padded prompts all end at P − 1
+        for layer, (k, v) in enumerate(keys_values):
+            self.keys[layer, :, :, : self.filled] = k
+            self.values[layer, :, :, : self.filled] = v
+        return self.lm_head(hidden)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        x = self.base.embed_tokens(token)  # [B, hidden]
+        self.positions = self.positions + 1
+        cos, sin = self.base.rotary_emb(x, position_ids=self.positions)  # [B, 1, head_dim]
+        slot = self.filled
+        self.filled += 1
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.keys[index], self.values[index], slot, self.bias[..., : self.filled])
+        return self.lm_head(rms_norm(self.base.norm, x))
+
+
+class DecodeLayer:
+    """One decoder layer for one new token per row, writing its keys and values into cache slot `slot`."""
+
+    def __init__(self, layer, config, batch: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], batch)
+        self.o = PackedLinear([attn.o_proj], batch)
+        self.gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], batch)
+        self.down = PackedLinear([mlp.down_proj], batch)
+        self.attention_norm, self.mlp_norm, self.act = layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        self.scaling = attn.scaling
+
+    def __call__(self, x, cos, sin, keys, values, slot: int, bias):
+        batch, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qk, v = self.qkv(rms_norm(self.attention_norm, x)).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
+        qk = qk.view(batch, heads + kv_heads, d)
+        qk = qk * cos + rotate_half(qk) * sin  # RoPE on queries and keys at once (cos, sin: [B, 1, d])
+        q, k = qk.split([heads, kv_heads], dim=1)
+        keys[:, :, slot] = k
+        values[:, :, slot] = v.view(batch, kv_heads, d)
+        # Grouped-query attention: query heads g·j … g·j + g − 1 share key/value head j.
+        q = q.view(batch, kv_heads, heads // kv_heads, d)
+        scores = q @ keys[:, :, : slot + 1].transpose(-1, -2) * self.scaling + bias  # [B, kv_heads, g, T]
+        out = scores.softmax(dim=-1) @ values[:, :, : slot + 1]
+        x = x + self.o(out.reshape(batch, heads * d))
+        gate, up = self.gate_up(rms_norm(self.mlp_norm, x)).chunk(2, dim=-1)
+        return x + self.down(self.act(gate) * up)
+
+
+class PackedLinear:
+    """x Wᵀ + b for the given linear layers stacked by output, at a fixed batch size. On CPU in fp32
+    the weight is packed for that batch size (MKL's packed GEMM reads a weight faster at small
+    batch than the plain product); any other batch size, and bf16 weights, take the plain product."""
+
+    def __init__(self, linears: list, batch: int):
+        weights = [linear.weight.detach() for linear in linears]
+        self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        biases = [linear.bias for linear in linears]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+        self.batch = batch
+        self.packed = _mkl_pack(self.weight, batch)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.batch)
+
+
+def _mkl_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return None
+    try:
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, batch)
+    except (AttributeError, RuntimeError):  # a build without the packed-GEMM ops
+        return None
