@@ -5,7 +5,7 @@ trainer), in a virtual environment this script creates at `bench/.venv-trl` on f
 environment sees torch and transformers of `.venv` through a .pth file, so both sides run the same
 builds of the same libraries; only trl and its own extra dependencies (datasets) go into it.
 
-Settings, equal on both sides: the demo preset's model (SmolLM2-135M-Instruct, fp32), the same
+Settings, equal on both sides: the demo preset's model (SmolLM2-135M-Instruct), the same
 prompt token ids (the demo's ppo_prompts, cut to `--prompt-length` tokens) in the same order, so
 iteration k of both sides rolls out on the same prompts (TRL reads them in the order our trainer's
 seeded shuffle draws them: the prompt tokens per iteration, printed, are equal), batch `--batch-size`,
@@ -15,19 +15,24 @@ head; β = 0.05 (k1), whitened advantages, value clipping 0.2, one gradient clip
 value model (TRL clips its policy-and-value wrapper as one), no PPO-ptx, no score normalisation and
 no EOS penalty (TRL's defaults have neither). pad = `<|endoftext|>` ≠ EOS on both sides.
 
-`--bf16`: both sides under bf16 autocast (TRL `bf16=True`, ours `ppo.autocast=bf16`), weights fp32.
+`--precision fp32` (the default): both sides in fp32. `--precision bf16`: ours with
+`model.precision=bf16` (bf16 weights, fp32 master weights); TRL runs twice in the same run, in fp32
+and with `bf16=True` (its autocast over fp32 weights), and the faster of the two is the baseline
+("TRL best"), so bf16 is never credited to us where TRL gains from it too.
 
-Both sides live in their own process side by side (about 20 GiB together at the defaults) and
-take turns, one iteration at a time: pair k runs TRL's iteration k then ours for even k, ours then
-TRL's for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike.
-The first `--warmup` pairs are left out. Printed: each pair's seconds and TRL / ours; per side
-s/iteration, episodes/s, response tokens/s (tokens up to and including EOS), prompt and response
-tokens per iteration, peak RSS of the process; then ours / TRL over all measured iterations, our MFU
-over them (bench/flops.py's model FLOPs against the matmul peak measured right after), and the
-median and range of the pairs' ratios.
+Each TRL run and ours live in their own processes (about 20 GiB together at the defaults) and take
+turns, one iteration at a time: pair k runs TRL's iteration k then ours for even k, ours then TRL's
+for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike. With
+two TRL runs, ours plays each in turn (a fresh process of ours per TRL run; three at once would not
+fit in 24 GiB). The first `--warmup` pairs of each are left out. Printed: each pair's seconds and
+TRL / ours; per side s/iteration, episodes/s, response tokens/s (tokens up to and including EOS),
+prompt and response tokens per iteration, peak RSS; ours / TRL (best) over all measured
+iterations; the median and range of the pairs' ratios; which bf16 support the CPU has; and our MFU
+over the measured iterations per phase (generate, experience, train; bench/flops.py's model FLOPs)
+against the matmul peak of our precision measured right after.
 
-    .venv/bin/python bench/peer_trl.py                      # 1 warm-up + 6 measured iterations per side: ~9 min on 2 cores
-    .venv/bin/python bench/peer_trl.py --iterations 2
+    .venv/bin/python bench/peer_trl.py                      # fp32: 1 warm-up + 6 measured iterations per side
+    .venv/bin/python bench/peer_trl.py --precision bf16     # ours bf16 against TRL's best of fp32 and bf16
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ def run_trl(spec: dict) -> None:
         response_length=spec["response_length"], temperature=TEMPERATURE, kl_coef=KL_COEF, learning_rate=LEARNING_RATE,
         stop_token="eos", missing_eos_penalty=None, num_sample_generations=0, report_to=[], logging_steps=1,
         save_strategy="no", use_cpu=True, seed=spec["seed"], max_grad_norm=1.0, dataloader_drop_last=True,
-        bf16=spec["bf16"],
+        bf16=spec["trl_bf16"],
     )
     response_tokens: list[int] = []
     prompt_tokens: list[int] = []
@@ -150,6 +155,7 @@ def our_trainer(spec: dict):
     from stages.launch import Dist
     from stages.ppo.stage import initial_moments, load_models
     from stages.ppo.trainer import PPOTrainer
+    from stages.precision import resolve
 
     cfg = PipelineConfig.model_validate(spec["config"])
     torch.manual_seed(cfg.ppo.seed)
@@ -157,7 +163,7 @@ def our_trainer(spec: dict):
     assert tokenizer.pad_token_id == spec["pad_id"], "both sides must pad with the same token"
     return PPOTrainer(cfg.ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn,
                       prompts=spec["prompts"], ptx_examples=[], tokenizer=tokenizer, dist=Dist(),
-                      moments=initial_moments(reward_model))
+                      precision=resolve(cfg.model.precision, "cpu"), moments=initial_moments(reward_model))
 
 
 def run_ours(spec: dict) -> None:
@@ -172,8 +178,10 @@ def run_ours(spec: dict) -> None:
         seconds = time.perf_counter() - started
         exp = trainer.last_experience
         flops = phase_flops(shapes, exp, critic=trainer.critic is not None)
+        phase_seconds = {"generate": metrics["time/generate"], "train": metrics["time/train"],
+                         "experience": sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))}
         report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()),
-               model_flops=sum(flops.values()))
+               model_flops=sum(flops.values()), phase_flops=flops, phase_seconds=phase_seconds)
     finish()
 
 
@@ -234,7 +242,7 @@ def ours_config(args) -> dict:
         "ppo.whiten_advantages=true", "ppo.value_clip=true", "ppo.global_grad_clip=true", "ppo.ptx=false",
         "ppo.score_mode=none", "ppo.eos_penalty=false", f"ppo.actor_lr={LEARNING_RATE}", f"ppo.critic_lr={LEARNING_RATE}",
         "ppo.adam_betas=[0.9,0.999]",  # TRL: the transformers Trainer's AdamW defaults
-        f"ppo.autocast={'bf16' if args.bf16 else 'none'}",
+        f"model.precision={args.precision}",
     ]
     return load_config(args.preset, overrides + args.overrides)
 
@@ -270,8 +278,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     common = {"batch_size": args.batch_size, "response_length": args.response_length, "threads": args.threads,
               "warmup": args.warmup, "iterations": args.iterations, "seed": cfg.ppo.seed,
               "prompts": prompts, "trl_prompts": in_our_order,
-              "pad_id": tokenizer.pad_token_id, "model_name": cfg.model.name_or_path, "config": cfg.model_dump(mode="json"),
-              "bf16": args.bf16}
+              "pad_id": tokenizer.pad_token_id, "model_name": cfg.model.name_or_path, "config": cfg.model_dump(mode="json")}
     return common, model_dir, reward_dir
 
 
@@ -284,8 +291,8 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--response-length", type=int, default=48)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--bf16", action="store_true",
-                        help="bf16 autocast on both sides (TRL: bf16=True; ours: ppo.autocast=bf16), weights fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="ours: model.precision; bf16 runs TRL in fp32 and in bf16 and takes its faster run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="more overrides of our side only (e.g. to try a switch)")
     return parser
@@ -305,37 +312,46 @@ def main() -> None:
 
     from flops import matmul_peak
 
+    from stages.precision import describe
+
     torch.set_num_threads(args.threads)
     python = trl_python()
+    trl_runs = {"TRL fp32": False} if args.precision == "fp32" else {"TRL fp32": False, "TRL bf16": True}
+    iterations: dict[str, list[dict]] = {}
+    peaks: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         common, model_dir, reward_dir = prepare(args, Path(tmp))
         total = args.warmup + args.iterations
-        print(f"model {common['model_name']} (fp32 weights{', bf16 autocast' if args.bf16 else ''}, CPU, {args.threads} threads); batch {args.batch_size}, prompts ≤"
-              f"{args.prompt_length} tokens (mean {statistics.mean(map(len, common['prompts'])):.0f}), ≤{args.response_length} "
-              f"new tokens; {args.warmup} warm-up + {args.iterations} measured iterations per side, one at a time, "
-              "the sides taking turns", flush=True)
-        specs = {"TRL": {**common, "model_dir": model_dir, "reward_dir": str(reward_dir),
-                         "output_dir": str(Path(tmp) / "trl-out")},
-                 "ours": {**common, "inputs": {"sft_model_dir": model_dir, "reward_model_dir": str(reward_dir)}}}
-        workers = {}
-        for side, spec in specs.items():  # one at a time: loading is not measured, and it peaks memory
-            path = Path(tmp) / f"{side}.json"
-            path.write_text(json.dumps(spec))
-            interpreter = python if side == "TRL" else sys.executable
-            workers[side] = Worker(side, [interpreter, __file__, "--worker", side.lower(), "--spec", path],
-                                   Path(tmp) / f"{side}.log")
-            workers[side].expect("READY")
-        # Pair k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
-        # speed (minutes long on a shared VM) hits both sides of a pair alike.
-        iterations: dict[str, list[dict]] = {"TRL": [], "ours": []}
-        for k in range(total):
-            for side in (("TRL", "ours") if k % 2 == 0 else ("ours", "TRL")):
-                iterations[side].append(workers[side].turn())
-            trl, ours = iterations["TRL"][-1], iterations["ours"][-1]
-            print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: TRL {trl['seconds']:6.2f} s "
-                  f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
-                  f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}", flush=True)
-        peaks = {side: worker.peak_rss_mib() for side, worker in workers.items()}
+        print(f"model {common['model_name']}, ours in {args.precision}, TRL in {' and '.join(trl_runs)}; CPU, "
+              f"{args.threads} threads, {describe('cpu')}; batch {args.batch_size}, prompts ≤{args.prompt_length} tokens "
+              f"(mean {statistics.mean(map(len, common['prompts'])):.0f}), ≤{args.response_length} new tokens; "
+              f"{args.warmup} warm-up + {args.iterations} measured iterations per side, one at a time, the sides "
+              "taking turns", flush=True)
+        for trl_side, trl_bf16 in trl_runs.items():
+            ours_side = f"ours vs {trl_side}" if len(trl_runs) > 1 else "ours"
+            specs = {trl_side: {**common, "model_dir": model_dir, "reward_dir": str(reward_dir), "trl_bf16": trl_bf16,
+                                "output_dir": str(Path(tmp) / f"trl-out-{trl_bf16}")},
+                     ours_side: {**common, "inputs": {"sft_model_dir": model_dir, "reward_model_dir": str(reward_dir)}}}
+            workers = {}
+            for side, spec in specs.items():  # one at a time: loading is not measured, and it peaks memory
+                path = Path(tmp) / f"{side.replace(' ', '-')}.json"
+                path.write_text(json.dumps(spec))
+                kind = "trl" if side == trl_side else "ours"
+                interpreter = python if kind == "trl" else sys.executable
+                workers[side] = Worker(side, [interpreter, __file__, "--worker", kind, "--spec", path],
+                                       Path(tmp) / f"{side.replace(' ', '-')}.log")
+                workers[side].expect("READY")
+            # Pair k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
+            # speed (minutes long on a shared VM) hits both sides of a pair alike.
+            iterations[trl_side], iterations[ours_side] = [], []
+            for k in range(total):
+                for side in ((trl_side, ours_side) if k % 2 == 0 else (ours_side, trl_side)):
+                    iterations[side].append(workers[side].turn())
+                trl, ours = iterations[trl_side][-1], iterations[ours_side][-1]
+                print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: {trl_side} {trl['seconds']:6.2f} s "
+                      f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
+                      f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}", flush=True)
+            peaks.update({side: worker.peak_rss_mib() for side, worker in workers.items()})
 
     table = {}
     for side, rows in iterations.items():
@@ -346,23 +362,36 @@ def main() -> None:
                        "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in measured),
                        "response_tokens": statistics.mean(r["response_tokens"] for r in measured),
                        "peak_rss_mib": peaks[side]}
-    print(f"{'side':<6}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'prompt+response tokens':>24}{'peak RSS MiB':>14}")
+    print(f"{'side':<18}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'prompt+response tokens':>24}{'peak RSS MiB':>14}")
     for side, r in table.items():
         tokens = f"{r['prompt_tokens']:.0f} + {r['response_tokens']:.0f}"
-        print(f"{side:<6}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{tokens:>24}{r['peak_rss_mib']:>14.0f}")
-    ours, trl = table["ours"], table["TRL"]
-    print(f"ours / TRL: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
-          f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+        print(f"{side:<18}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{tokens:>24}{r['peak_rss_mib']:>14.0f}")
+    # Each TRL run is compared with the run of ours it took turns with (the same minutes of the machine).
+    def ours_against(trl_side: str) -> str:
+        return f"ours vs {trl_side}" if len(trl_runs) > 1 else "ours"
+
+    best = max(trl_runs, key=lambda side: table[side]["episodes_per_s"])
+    for trl_side in trl_runs:
+        ours, trl = table[ours_against(trl_side)], table[trl_side]
+        label = " (TRL best)" if len(trl_runs) > 1 and trl_side == best else ""
+        print(f"ours / {trl_side}{label}: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
+              f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+        paired = sorted(t["seconds"] / o["seconds"] for t, o in zip(iterations[trl_side][args.warmup :],
+                                                                     iterations[ours_against(trl_side)][args.warmup :]))
+        print(f"  pair by pair: median ×{statistics.median(paired):.2f}, range ×{paired[0]:.2f} … ×{paired[-1]:.2f}")
+    ours_rows = [r for trl_side in trl_runs for r in iterations[ours_against(trl_side)][args.warmup :]]
+    ours_seconds = sum(r["seconds"] for r in ours_rows)
     # Measured right after the iterations, so that both see the machine in a like state.
-    peak = matmul_peak(torch.bfloat16 if args.bf16 else torch.float32)
-    ours_measured = iterations["ours"][args.warmup :]
-    achieved = sum(r["model_flops"] for r in ours_measured) / sum(r["seconds"] for r in ours_measured)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = matmul_peak(dtype)
+    achieved = sum(r["model_flops"] for r in ours_rows) / ours_seconds
     print(f"our MFU: {achieved / peak:.1%} ({achieved / 1e9:.1f} GFLOP/s of model FLOPs, real tokens only, against this "
-          f"machine's {'bf16' if args.bf16 else 'fp32'} matmul peak of {peak / 1e9:.1f} GFLOP/s measured after the "
-          "iterations; bench/limits.py splits it by phase)")
-    paired = sorted(t["seconds"] / o["seconds"] for t, o in zip(iterations["TRL"][args.warmup :], iterations["ours"][args.warmup :]))
-    print(f"episodes/s ×, pair by pair: median ×{statistics.median(paired):.2f}, "
-          f"range ×{paired[0]:.2f} … ×{paired[-1]:.2f}")
+          f"machine's {args.precision} matmul peak of {peak / 1e9:.1f} GFLOP/s measured after the iterations); by phase:")
+    for phase in ("generate", "experience", "train"):
+        flops = sum(r["phase_flops"][phase] for r in ours_rows)
+        seconds = sum(r["phase_seconds"][phase] for r in ours_rows)
+        print(f"  {phase:<11}{flops / seconds / 1e9:8.1f} GFLOP/s  MFU {flops / seconds / peak:6.1%}  "
+              f"({seconds / len(ours_rows):.2f} s/iteration)")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     from stages.launch import Dist
     from stages.ppo.stage import encode_prompts, initial_moments, load_models
     from stages.ppo.trainer import PPOTrainer
+    from stages.precision import resolve
 
     cfg = PipelineConfig.model_validate(config)
     ppo = cfg.ppo.model_copy(update={"preset": mode})
@@ -54,7 +55,8 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     ptx = [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len, cfg.sft.max_response_len)
            for r in sft_rows]
     trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
-                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model))
+                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist,
+                         precision=resolve(cfg.model.precision, device), moments=initial_moments(reward_model))
     rows = []
     for _ in range(warmup + iterations):
         started = time.perf_counter()

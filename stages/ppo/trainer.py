@@ -47,8 +47,8 @@ def warmup_steps(ppo: PPOConfig, pretrained_critic: bool) -> int:
 
 class PPOTrainer:
     def __init__(self, ppo: PPOConfig, *, actor, critic, reference, score_fn, prompts: list[list[int]],
-                 ptx_examples: list, tokenizer, dist: Dist, moments: RunningMoments | None = None,
-                 train_actor: bool = True, warmup: int = 0, precision: str = "fp32"):
+                 ptx_examples: list, tokenizer, dist: Dist, precision: str, moments: RunningMoments | None = None,
+                 train_actor: bool = True, warmup: int = 0):
         """train_actor=False freezes the policy: critic pre-training (paper §5.4) with exactly
         PPO's rollouts, reward shaping and GAE returns. warmup: lr warm-up steps (`warmup_steps`).
         critic: None exactly when the advantage estimator needs none. precision: the resolved
