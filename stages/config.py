@@ -146,19 +146,28 @@ class LaunchConfig(_Section):
 # the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code ("MOSS", github.com/OpenLMLab/MOSS-RLHF:
 # config_ppo.py, config_rm.py, train_*.sh, accelerate_config.yaml), another implementation (TRL,
 # OpenRLHF, InstructGPT), or "ours: <reason>". `rlhf config --explain` prints them.
-_LAUNCH = "How this stage runs (LaunchConfig). ours: in-process by default."
-_SEED = "Seed of this stage's randomness. ours: any fixed seed (MOSS's configs use 42 too)."
-_NONFINITE = "ours: a NaN/Inf loss skips the step; this many in a row stop the stage."
+class _TrainingSection(_Section):
+    """What every training stage (SFT, reward, critic, PPO) has, defined once: its optimiser's
+    betas and clip, its non-finite guard, its seed and how it runs."""
+
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
+                                                                     "(config_rm.py, config_ppo.py).")
+    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
+                                                  "(accelerate_config.yaml).")
+    max_nonfinite_steps: int = Field(3, description="ours: a NaN/Inf loss (in PPO also a NaN/Inf score) skips the "
+                                                    "step; this many in a row stop the stage.")
+    seed: int = Field(42, description="Seed of this stage's randomness. ours: any fixed seed (MOSS's configs use 42 "
+                                      "too).")
+    launch: LaunchConfig = Field(LaunchConfig(), description="How this stage runs (LaunchConfig). ours: in-process by "
+                                                             "default.")
 
 
-class SFTConfig(_Section):
+class SFTConfig(_TrainingSection):
     """Supervised fine-tuning on the SFT split's chosen answers (paper §5.1)."""
 
     lr: float = Field(9.5e-6, description="Peak learning rate. paper §5.1.")
     weight_decay: float = Field(0.0, description="AdamW weight decay. ours: 0, as MOSS's RM and PPO optimisers "
                                                  "(MOSS ships no SFT code).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
-                                                                     "(config_rm.py, config_ppo.py).")
     epochs: int = Field(2, description="Passes over the SFT split. paper §5.1.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     micro_batch_size: int = Field(4, description="Sequences per forward pass and rank. ours: fits small models on "
@@ -169,12 +178,10 @@ class SFTConfig(_Section):
                                                   "OpenRLHF: lr_warmup_ratio 0.03.")
     min_lr_ratio: float = Field(0.1, description="The cosine decays to this fraction of the peak lr (paper §5.1: "
                                                  "10 %).")
-    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
-                                                  "(accelerate_config.yaml).")
-    max_nonfinite_steps: int = Field(3, description=_NONFINITE)
     max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
     max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
-    eval_examples: int = Field(64, description="Held-out (eval-prompts split, chosen answers) for perplexity. ours: "
+    heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) whose chosen answers give the "
+                                                 "perplexity before and after. ours: "
                                                "enough for a stable mean, cheap on a CPU.")
     probe_prompts: int = Field(16, description="Held-out probe for the SFT contract: greedy responses to this many "
                                                "eval prompts. ours: cheap on a CPU.")
@@ -183,17 +190,13 @@ class SFTConfig(_Section):
     log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
                                                             "off, small models fit without it.")
-    seed: int = Field(42, description=_SEED)
-    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
-class RewardConfig(_Section):
+class RewardConfig(_TrainingSection):
     """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
 
     lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
     weight_decay: float = Field(0.0, description="AdamW weight decay. MOSS: weight_decay 0 (config_rm.py).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
-                                                                     "(config_rm.py).")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
@@ -210,14 +213,9 @@ class RewardConfig(_Section):
     max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
     warmup_ratio: float = Field(0.1, description="Linear warm-up over this fraction of the optimiser steps. paper "
                                                  "§4.2 (MOSS train_rm.sh: 100 of 1000 steps).")
-    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. ours: 1.0, as MOSS's PPO "
-                                                  "(accelerate_config.yaml).")
-    max_nonfinite_steps: int = Field(3, description=_NONFINITE)
-    eval_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
+    heldout_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
                                              "statistics. ours: the whole default rm_eval split.")
     log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
-    seed: int = Field(42, description=_SEED)
-    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
 class RawPairsContract(_Section):
@@ -327,7 +325,7 @@ PPO_PRESETS = {
 }
 
 
-class PPOConfig(_Section):
+class PPOConfig(_TrainingSection):
     """PPO-max (paper §5.3–5.4). Switches left at None follow `preset`."""
 
     preset: Literal["ppo-max", "vanilla"] = Field(
@@ -385,8 +383,6 @@ class PPOConfig(_Section):
                                               "(config_ppo.py).")
     critic_lr: float = Field(1.65e-6, description="Critic learning rate. paper §5.1 (7B); MOSS's config_ppo.py "
                                                   "has critic_lr 1.5e-6.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
-                                                                     "(config_ppo.py).")
     actor_weight_decay: float = Field(0.0, description="AdamW's; the paper's code: 0 (torch's own default would "
                                                        "be 0.01). MOSS: weight_decay 0.0 (ppo/ppo_trainer.py).")
     critic_weight_decay: float = Field(0.0, description="AdamW's, for the critic. MOSS: weight_decay 0.0 "
@@ -435,10 +431,6 @@ class PPOConfig(_Section):
     ptx_batch_size: int = Field(4, description="PPO-ptx examples per minibatch. ours: a small LM batch beside each "
                                                "PPO minibatch.")
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus. MOSS: entropy_loss_weight 0.")
-    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
-                                                  "(accelerate_config.yaml).")
-    max_nonfinite_steps: int = Field(3, description="ours: NaN/Inf scores or loss skip the step; this many in a "
-                                                    "row stop PPO.")
     reward: str = Field("rm", description="`rm`, or a rule such as `char_fraction:e` (tests, reward debugging). "
                                           "ours: the trained reward model.")
     ptx_data: str | None = Field(
@@ -453,13 +445,12 @@ class PPOConfig(_Section):
                                                                          "settings (see each field).")
     eval_every: int = Field(10, description="Held-out evaluation (RM score, length, perplexity, KL) every N "
                                             "iterations. ours: ten evaluations in a default run.")
-    eval_prompts: int = Field(32, description="Held-out prompts per evaluation. ours: cheap, yet a stable mean.")
+    heldout_prompts: int = Field(32, description="Held-out prompts (eval_prompts split) per evaluation. ours: cheap, "
+                                                 "yet a stable mean.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
                                                "ours: as eval_every.")
     checkpoint_every: int = Field(10, description="Checkpoint every N iterations. ours: a killed run loses at "
                                                   "most 10 iterations.")
-    seed: int = Field(42, description=_SEED)
-    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
     @model_validator(mode="after")
     def _kl_estimator_fits_its_place(self) -> PPOConfig:
@@ -505,13 +496,11 @@ class PPOConfig(_Section):
         return chosen
 
 
-class CriticConfig(_Section):
+class CriticConfig(_TrainingSection):
     """Critic pre-training (paper §5.4): value head on the reward model, trained on rollouts of
     the frozen SFT policy with PPO's GAE returns, until the value loss is low or a step cap."""
 
     lr: float = Field(1.65e-6, description="Learning rate. paper §5.1 (7B critic, as ppo.critic_lr).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas. MOSS: beta1 0.9, beta2 0.95 "
-                                                                     "(config_ppo.py).")
     weight_decay: float = Field(0.0, description="AdamW weight decay. The paper's code: 0 (MOSS "
                                                  "ppo/ppo_trainer.py).")
     max_steps: int = Field(50, description="Optimiser steps (one per minibatch) at most. ours: a cap that "
@@ -521,12 +510,8 @@ class CriticConfig(_Section):
     rollout_batch_size: int = Field(64, description="Prompts per rollout. ours: a smaller buffer than PPO's, so "
                                                     "the critic updates more often.")
     minibatch_size: int = Field(16, description="Rollouts per optimiser step. ours: 4 steps per rollout.")
-    eval_prompts: int = Field(32, description="Held-out prompts (eval_prompts split) rolled out for the critic "
+    heldout_prompts: int = Field(32, description="Held-out prompts (eval_prompts split) rolled out for the critic "
                                               "contract. ours: enough for its explained variance, cheap.")
-    max_grad_norm: float = Field(1.0, description="Gradient-norm clip. MOSS: gradient_clipping 1.0 "
-                                                  "(accelerate_config.yaml).")
-    seed: int = Field(42, description=_SEED)
-    launch: LaunchConfig = Field(LaunchConfig(), description=_LAUNCH)
 
 
 class CEvalConfig(_Section):
@@ -558,7 +543,7 @@ class OpenAIJudgeConfig(_Section):
     backoff_s: float = Field(2.0, description="First wait; doubles per retry (a Retry-After header wins).")
     max_tokens: int = Field(512, description="Judge reply.")
     concurrency: int = Field(4, description="Requests in flight.")
-    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
+    max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
 
 class LocalJudgeConfig(_Section):
@@ -569,7 +554,7 @@ class LocalJudgeConfig(_Section):
     model: str | None = Field(None, description="As model.name_or_path; None: the pipeline's base model (model.*).")
     max_new_tokens: int = Field(64, description="Judge reply, in tokens (greedy).")
     max_prompt_len: int = Field(1024, description="Judging prompt cap in tokens.")
-    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
+    max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
 
 class RewardModelJudgeConfig(_Section):
@@ -578,7 +563,7 @@ class RewardModelJudgeConfig(_Section):
     kind: Literal["reward_model"] = Field("reward_model", description="Judge type.")
     name: str = Field("reward_model", description="In metric names: eval/judge/<name>/...")
     tie_margin: float = Field(0.0, description="|r(policy) − r(SFT)| ≤ this is a tie.")
-    prompts: int | None = Field(None, description="Judge only the first N eval prompts (None: all).")
+    max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
 
 class EvalGenerationConfig(GenerationConfig):
@@ -599,7 +584,8 @@ class EvalConfig(_Section):
     policy vs SFT responses on held-out eval prompts, each pair judged in both orders."""
 
     ceval: CEvalConfig = Field(CEvalConfig(), description="C-Eval val (paper §6): the alignment tax.")
-    prompts: int = Field(128, description="eval_prompts split rows answered by both models.")
+    heldout_prompts: int = Field(128, description="Held-out prompts (eval_prompts split) answered by both models "
+                                                  "and judged.")
     split: str = Field("harmless", description="The report's name for those prompts (paper Figs. 10–11: "
                                                "harmless, helpful).")
     generation: EvalGenerationConfig = Field(EvalGenerationConfig(), description="Sampling of the judged "
@@ -683,11 +669,46 @@ def _known_keys(model: type[BaseModel]) -> list[str]:
     return sorted(model.model_fields)
 
 
+# Keys that were renamed or replaced: an old config names the new key instead of failing as unknown.
+RENAMED = {
+    "sft.eval_examples": "sft.heldout_prompts",
+    "reward.eval_pairs": "reward.heldout_pairs",
+    "critic.eval_prompts": "critic.heldout_prompts",
+    "ppo.eval_prompts": "ppo.heldout_prompts",
+    "eval.prompts": "eval.heldout_prompts",
+    "model.dtype": "model.precision",
+    "ppo.autocast": "model.precision",
+}
+
+
+def upgrade_recorded(values: dict) -> dict:
+    """A config recorded by an earlier version (a pipeline run's config.json, which `--resume`
+    reuses) with its renamed keys under their new names: the run resumes with the values it had."""
+    out = json.loads(json.dumps(values))
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        if old == "model.dtype":  # the weights' dtype was the whole precision then (ppo.autocast aside)
+            value = "bf16" if value == "bfloat16" else "fp32"
+        elif old == "ppo.autocast":
+            continue
+        out.setdefault(new_section, {})[new_key] = value
+    for judge in out.get("eval", {}).get("judges", []):
+        if isinstance(judge, dict) and "prompts" in judge:
+            judge["max_prompts"] = judge.pop("prompts")
+    return out
+
+
 def _check_keys(model: type[BaseModel], values: dict, where: str, prefix: str = "") -> None:
     """Name the first unknown key with its dotted path, the file it came from and the choices."""
     for key, value in values.items():
         path = f"{prefix}{key}"
         field = model.model_fields.get(key)
+        if field is None and path in RENAMED:
+            raise ConfigError(f"{where}: '{path}' was renamed to '{RENAMED[path]}' (see rlhf config --explain)")
         if field is None:
             raise ConfigError(
                 f"{where}: unknown key '{path}'; known keys here: {', '.join(_known_keys(model))}"

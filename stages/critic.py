@@ -55,6 +55,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
                                      "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
                                      "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
+                                     "max_nonfinite_steps": critic_cfg.max_nonfinite_steps,
+                                     "adam_betas": critic_cfg.adam_betas,
                                      "critic_weight_decay": critic_cfg.weight_decay, "ppo_epochs": 1})
     # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
     trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
@@ -86,7 +88,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     train_seconds = time.perf_counter() - started
 
     # Held-out check for the critic contract: eval prompts the critic never trained on.
-    heldout_rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: critic_cfg.eval_prompts]
+    heldout_rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: critic_cfg.heldout_prompts]
     heldout = encode_prompts(tokenizer, heldout_rows, cfg.ppo.max_prompt_len)[dist.rank :: dist.world_size]
     probe = heldout_probe(trainer, heldout, [r["row"] for r in heldout_rows])
     outputs: dict = {}

@@ -59,7 +59,7 @@ class Stage:
 CRITIC_READS_FROM_PPO = tuple(f"ppo.{name}" for name in (
     "preset", "advantage_estimator", "samples_per_prompt", "score_mode", "eos_penalty", "value_clip", "reward",
     "gamma", "lam", "score_clip",
-    "value_clip_eps", "eos_penalty_sigmas", "max_prompt_len", "generation", "max_nonfinite_steps"))
+    "value_clip_eps", "eos_penalty_sigmas", "max_prompt_len", "generation"))
 
 def _without_a_critic(cfg) -> str | None:
     """The critic stage's skip: a critic-free advantage estimator (grpo, rloo, reinforce++) trains none."""

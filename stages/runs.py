@@ -197,7 +197,7 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
              f"prompts: {counts}; {tags.get('rlhf.champion', '')})."]
     if n < 64:
         lines.append(f"  {n} prompts cannot separate a small improvement from noise; a run this small is not "
-                     f"expected to improve the model measurably (use more eval.prompts and PPO iterations).")
+                     f"expected to improve the model measurably (use more eval.heldout_prompts and PPO iterations).")
     outputs = json.loads(tags.get(tracking.OUTPUTS_TAG, "{}"))
     if "eval_report" in outputs:
         lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.md)")

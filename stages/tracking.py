@@ -532,10 +532,11 @@ def recorded_config(pipeline_run_id: str) -> PipelineConfig:
     that artifact existed, its preset's defaults."""
     from mlflow.exceptions import MlflowException
 
-    from stages.config import load_config
+    from stages.config import load_config, upgrade_recorded
 
     try:
-        return PipelineConfig.model_validate(json.loads(download(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}").read_text()))
+        recorded = json.loads(download(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}").read_text())
+        return PipelineConfig.model_validate(upgrade_recorded(recorded))
     except (MlflowException, OSError):
         return load_config(client().get_run(pipeline_run_id).data.tags["rlhf.preset"])
 

@@ -9,7 +9,7 @@ import stages.config as config_module
 from config_helpers import dotted_keys
 from flows.cli import main
 from stages.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
-                           SFTConfig, load_config, nest_overrides, parse_override)
+                           SFTConfig, load_config, nest_overrides, parse_override, upgrade_recorded)
 
 # A description of an SFT, reward, critic, PPO or generation field names where its value comes
 # from: the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code, another implementation, or
@@ -166,3 +166,38 @@ def test_the_default_config_loads_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=config_module.REPO_ROOT, env={**os.environ, "PYTHONPATH": str(config_module.REPO_ROOT)})
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("old", "new"), [("sft.eval_examples=8", "sft.heldout_prompts"),
+                                          ("reward.eval_pairs=8", "reward.heldout_pairs"),
+                                          ("critic.eval_prompts=8", "critic.heldout_prompts"),
+                                          ("ppo.eval_prompts=8", "ppo.heldout_prompts"),
+                                          ("eval.prompts=8", "eval.heldout_prompts"),
+                                          ("ppo.autocast=bf16", "model.precision")])
+def test_a_renamed_key_names_its_new_name(old, new):
+    with pytest.raises(ConfigError, match=f"'{old.split('=')[0]}' was renamed to '{new}'"):
+        load_config("tiny", [old])
+
+
+def test_a_recorded_config_of_an_earlier_version_resumes_with_its_values():
+    recorded = load_config("tiny").model_dump(mode="json")
+    recorded["sft"]["eval_examples"] = recorded["sft"].pop("heldout_prompts") + 1
+    recorded["eval"]["prompts"] = 5
+    del recorded["eval"]["heldout_prompts"]
+    recorded["eval"]["judges"][0]["prompts"] = 3
+    del recorded["eval"]["judges"][0]["max_prompts"]
+    recorded["model"]["dtype"] = "float32"
+    del recorded["model"]["precision"]
+    recorded["ppo"]["autocast"] = "none"
+    cfg = PipelineConfig.model_validate(upgrade_recorded(recorded))
+    assert cfg.sft.heldout_prompts == load_config("tiny").sft.heldout_prompts + 1
+    assert cfg.eval.heldout_prompts == 5 and cfg.eval.judges[0].max_prompts == 3
+    assert cfg.model.precision == "fp32"
+
+
+def test_the_training_sections_share_their_common_fields():
+    shared = {"adam_betas", "max_grad_norm", "max_nonfinite_steps", "seed", "launch"}
+    for section in (SFTConfig, RewardConfig, CriticConfig, PPOConfig):
+        assert shared <= set(section.model_fields), section
+        for name in shared:  # defined once: the same field object's description everywhere
+            assert section.model_fields[name].description == SFTConfig.model_fields[name].description

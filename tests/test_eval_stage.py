@@ -38,7 +38,7 @@ def evaluated(sft_only):
     try:
         with JudgeServer() as server:
             judges = [{"kind": "openai", "base_url": server.base_url, "api_key_env": KEY_ENV, "timeout_s": 10},
-                      {"kind": "reward_model"}, {"kind": "local", "prompts": 2, "max_new_tokens": 4}]
+                      {"kind": "reward_model"}, {"kind": "local", "max_prompts": 2, "max_new_tokens": 4}]
             overrides = {"reward.max_steps": 2, "ppo.iterations": 2, "eval.judges": judges,
                          "eval.champion_margin": -1.0}  # any result makes the policy champion
             run_id = rlhf(preset="tiny", overrides=overrides, stages=["reward", "ppo", "eval"], from_run=sft_only)

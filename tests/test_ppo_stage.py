@@ -90,12 +90,12 @@ def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):
     eval_rows = [r["row"] for r in read_jsonl(tracking.download(outputs["splits"]) / "eval_prompts.jsonl")]
 
     critic = pd.read_parquet(tracking.download(outputs["critic_probe"]))
-    assert critic["row"].tolist() == eval_rows[: cfg.critic.eval_prompts]  # line numbers in the source file
+    assert critic["row"].tolist() == eval_rows[: cfg.critic.heldout_prompts]  # line numbers in the source file
     assert critic["value_loss"].mean() == pytest.approx(runs["critic"].data.metrics["critic/heldout_value_loss"])
     assert critic["explained_variance"].nunique() == 1  # the batch's, on every row
 
     policy = pd.read_parquet(tracking.download(outputs["policy_probe"]))
-    assert policy["row"].tolist() == eval_rows[: cfg.ppo.eval_prompts]
+    assert policy["row"].tolist() == eval_rows[: cfg.ppo.heldout_prompts]
     history = {name: tracking.client().get_metric_history(runs["ppo"].info.run_id, name)
                for name in ("eval/kl", "eval/response_length", "eval/eos_rate")}
     assert policy["kl"].mean() == pytest.approx(history["eval/kl"][-1].value, rel=1e-5, abs=1e-6)  # the final evaluation

@@ -64,7 +64,7 @@ def test_reward_gate_judges_one_row_per_heldout_pair(reward_run):
     assert outputs["reward_run"] == run.info.run_id
     assert run.data.tags["rlhf.contract"] == run.data.tags["rlhf.contract.reward"] == "passed"
     probe = pd.read_parquet(tracking.download(outputs["reward_probe"]))
-    heldout = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: load_config("tiny").reward.eval_pairs]
+    heldout = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: load_config("tiny").reward.heldout_pairs]
     assert probe["row"].tolist() == [r["row"] for r in heldout]  # line numbers in the source file
     assert (probe["margin"] > 0).mean() == pytest.approx(run.data.metrics["eval/accuracy"])
 
@@ -76,7 +76,7 @@ def test_registered_model_loads_back_with_its_score_statistics(reward_run):
     assert {"model.safetensors", "score_head.safetensors", "reward_config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     model = load_reward_model(folder, cfg.model)
     tokenizer = sources.load_tokenizer(str(folder), cfg.model)
-    rows = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: cfg.reward.eval_pairs]
+    rows = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: cfg.reward.heldout_pairs]
     heldout = encode_pairs(tokenizer, rows, cfg.reward.max_seq_len, cfg.reward.max_response_len)
     dist = Dist()
     metrics = score_heldout(model, heldout, make_sampler(cfg.reward, heldout, dist), tokenizer.pad_token_id,

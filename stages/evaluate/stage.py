@@ -133,7 +133,7 @@ def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str)
     for spec in cfg.eval.judges:
         t = time.perf_counter()
         judge = make_judge(spec, cfg, inputs, device)
-        frame = judge_pairs(judge, pairs[: spec.prompts] if spec.prompts else pairs)
+        frame = judge_pairs(judge, pairs[: spec.max_prompts] if spec.max_prompts else pairs)
         judged.append(frame.assign(split=cfg.eval.split, judge_kind=spec.kind))
         print(f"eval: judge {spec.name}: {frame['verdict'].value_counts().to_dict()} ({time.perf_counter() - t:.0f} s)")
     return pd.concat(judged, ignore_index=True)
@@ -150,7 +150,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
                         "eval.policy_model": inputs.get("policy_model", "none: C-Eval of the SFT model only"),
                         "eval.reward_model": inputs.get("reward_model", "none")})
 
-    rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: ev.prompts]
+    rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: ev.heldout_prompts]
     answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device)
     judged = pd.DataFrame()
     if judging:

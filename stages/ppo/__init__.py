@@ -2,7 +2,8 @@
 
 Modules, in the order an iteration uses them: experience (rollouts and the four models'
 forwards), rewards (score reparameterisation, token-level KL penalty), advantages (the registry
-of advantage estimators: GAE, and grpo, rloo, reinforce++ without a critic), losses (the registry of
-policy losses, the clipped value loss, PPO-ptx, the KL loss), trainer (the loop), checkpoint, and
-stage (the pipeline stage: models, held-out evaluation, publishing the policy).
+of advantage estimators: GAE, and grpo, rloo, reinforce++ without a critic), trainer (the loop),
+checkpoint, and stage (the pipeline stage: models, held-out evaluation, publishing the policy). The
+losses (the registry of policy losses, the clipped value loss, PPO-ptx, the KL loss) are in
+stages/losses.py, the forward passes and the decode step in stages/models/.
 """

@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     from stages.config import PPOConfig
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  all_reduce_sum=None) -> torch.Tensor:
-    """(x − mean) / std over the masked entries (mean added back when shift_mean is False).
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_reduce_sum=None) -> torch.Tensor:
+    """(x − mean) / std over the masked entries.
     `all_reduce_sum(list)` sums over ranks when given: a data-parallel minibatch is the union of
     the ranks' minibatches, so its mean and std are taken over all of them."""
     reduce = all_reduce_sum or list
@@ -33,7 +32,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     mean = total / max(count, 1.0)
     (squares,) = reduce([float(((x - mean) ** 2 * mask).sum())])
     whitened = (x - mean) / math.sqrt(squares / max(count, 1.0) + eps)
-    return (whitened if shift_mean else whitened + mean) * mask
+    return whitened * mask
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):

@@ -75,8 +75,8 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, tempera
         tail = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         tail[:, -1] = False
         logits = logits.masked_fill(tail.scatter(1, order, tail), -torch.inf)
-    # Inverse-CDF sampling: exact like torch.multinomial, which spent 14 ms a step on CPU drawing
-    # one exponential variate per vocabulary entry.
+    # Inverse-CDF sampling: exact like torch.multinomial, which draws one exponential variate per
+    # vocabulary entry at every step.
     cdf = logits.softmax(dim=-1).cumsum(dim=-1)
     u = torch.rand(logits.shape[0], 1, device=logits.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)

@@ -142,7 +142,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     splits_dir = Path(inputs["splits_dir"])
     tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
     prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "ppo_prompts.jsonl"), ppo.max_prompt_len)
-    heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.eval_prompts]
+    heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.heldout_prompts]
     eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
     eval_prompts = encode_prompts(tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
     ptx_source, ptx = ptx_examples(cfg, tokenizer, splits_dir) if ppo.switches()["ptx"] else ("off", [])

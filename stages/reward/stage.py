@@ -140,7 +140,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     sources.align_pad_token(model.lm, tokenizer)
     pad_id = tokenizer.pad_token_id
 
-    heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")[: rm.eval_pairs]
+    heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")[: rm.heldout_pairs]
     train_set = encode_pairs(tokenizer, read_jsonl(splits_dir / "rm_train.jsonl"), rm.max_seq_len, rm.max_response_len)
     heldout = encode_pairs(tokenizer, heldout_rows, rm.max_seq_len, rm.max_response_len)
     sampler, heldout_sampler = make_sampler(rm, train_set, dist), make_sampler(rm, heldout, dist)
