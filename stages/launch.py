@@ -205,8 +205,8 @@ def _rank_main(spec_path: str) -> None:
     import deepspeed
 
     if not on_gpu:
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (1-2 min of g++ on a
-        # fresh machine) that only inference all-reduce uses; training collectives go via gloo.
+        # DeepSpeed's CPU backend JIT-compiles (g++, on a fresh machine) a shared-memory all-reduce
+        # that only inference all-reduce uses; training collectives go via gloo.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     ds_config = _resolve_deepspeed_config(launch.deepspeed or "zero2")
