@@ -42,12 +42,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from turns import Worker, finish, load_average, ready, report_turn, take_turns, trl_python, wait_for_turn
 
 BENCH = Path(__file__).resolve().parent
 TRL_VENV = BENCH / ".venv-trl"
@@ -55,20 +55,6 @@ TRL_VERSION = "1.12.0"
 TEMPERATURE = 0.7  # TRL's PPOConfig default
 KL_COEF = 0.05
 LEARNING_RATE = 3e-6  # TRL's PPOConfig default; ours is set to the same
-
-
-def trl_python() -> Path:
-    """bench/.venv-trl/bin/python with trl installed; created once."""
-    python = TRL_VENV / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import trl.experimental.ppo"], capture_output=True).returncode == 0:
-        return python
-    print(f"creating {TRL_VENV} with trl=={TRL_VERSION} (torch and transformers shared from {sys.prefix})", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", TRL_VENV], check=True)
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "_shared_with_rlhf_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
-    return python
 
 
 # -- TRL's side (runs in bench/.venv-trl) ------------------------------------------------------
@@ -130,7 +116,8 @@ def run_trl(spec: dict) -> None:
 
     class Turns(TrainerCallback):
         def on_step_end(self, args, state_, control, **kwargs):
-            report(time.perf_counter() - state["started"], response_tokens[-1], prompt_tokens[-1])
+            report_turn(seconds=time.perf_counter() - state["started"], response_tokens=response_tokens[-1],
+                        prompt_tokens=prompt_tokens[-1])
             state["done"] += 1
             if state["done"] < total:
                 state["started"] = wait_for_turn()
@@ -138,7 +125,7 @@ def run_trl(spec: dict) -> None:
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=reference,
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset,
                          eval_dataset=dataset, callbacks=[Turns()])
-    print("READY", flush=True)
+    ready()
     state["started"] = wait_for_turn()
     trainer.train()
     finish()
@@ -171,7 +158,7 @@ def run_ours(spec: dict) -> None:
 
     trainer = our_trainer(spec)
     shapes = Shapes(trainer.actor.module.config)
-    print("READY", flush=True)
+    ready()
     for _ in range(spec["warmup"] + spec["iterations"]):
         started = wait_for_turn()
         metrics = trainer.step()
@@ -180,55 +167,9 @@ def run_ours(spec: dict) -> None:
         flops = phase_flops(shapes, exp, critic=trainer.critic is not None)
         phase_seconds = {"generate": metrics["time/generate"], "train": metrics["time/train"],
                          "experience": sum(metrics.get(f"time/{p}", 0.0) for p in ("ref_logprobs", "values", "scores"))}
-        report(seconds, int(exp.response_mask.sum()), int(exp.attention_mask[:, : exp.prompt_width].sum()),
-               model_flops=sum(flops.values()), phase_flops=flops, phase_seconds=phase_seconds)
+        report_turn(seconds=seconds, response_tokens=int(exp.response_mask.sum()),
+                    prompt_tokens=int(exp.attention_mask[:, : exp.prompt_width].sum()), model_flops=sum(flops.values()), phase_flops=flops, phase_seconds=phase_seconds)
     finish()
-
-
-# -- the worker's side of the turns (both sides) -----------------------------------------------
-def wait_for_turn() -> float:
-    """Block until the parent gives this side its next iteration; the time it starts."""
-    if sys.stdin.readline().strip() != "go":
-        sys.exit("peer_trl worker: the parent ended the run")
-    return time.perf_counter()
-
-
-def report(seconds: float, response_tokens: int, prompt_tokens: int, **more) -> None:
-    print("ITERATION " + json.dumps({"seconds": seconds, "response_tokens": response_tokens,
-                                     "prompt_tokens": prompt_tokens, **more}), flush=True)
-
-
-def finish() -> None:
-    import resource
-
-    print("RESULT " + json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
-
-
-class Worker:
-    """One side's process: built once, then one iteration per `turn()`; its stderr goes to a file."""
-
-    def __init__(self, side: str, command: list, log: Path):
-        self.side, self.log = side, log
-        with open(log, "w") as stderr:
-            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                            text=True, bufsize=1)
-
-    def expect(self, prefix: str) -> str:
-        for line in self.process.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        self.process.wait()
-        sys.exit(f"{self.side}'s side failed (exit {self.process.returncode}):\n{self.log.read_text()[-4000:]}")
-
-    def turn(self) -> dict:
-        self.process.stdin.write("go\n")
-        return json.loads(self.expect("ITERATION "))
-
-    def peak_rss_mib(self) -> float:
-        result = json.loads(self.expect("RESULT "))
-        self.process.stdin.close()
-        self.process.wait()
-        return result["peak_rss_mib"]
 
 
 def ours_config(args) -> dict:
@@ -315,7 +256,8 @@ def main() -> None:
     from stages.precision import describe
 
     torch.set_num_threads(args.threads)
-    python = trl_python()
+    print(f"before: {load_average()}", flush=True)
+    python = trl_python(TRL_VENV, TRL_VERSION, "import trl.experimental.ppo")
     trl_runs = {"TRL fp32": False} if args.precision == "fp32" else {"TRL fp32": False, "TRL bf16": True}
     iterations: dict[str, list[dict]] = {}
     peaks: dict[str, float] = {}
@@ -340,17 +282,16 @@ def main() -> None:
                 interpreter = python if kind == "trl" else sys.executable
                 workers[side] = Worker(side, [interpreter, __file__, "--worker", kind, "--spec", path],
                                        Path(tmp) / f"{side.replace(' ', '-')}.log")
-                workers[side].expect("READY")
-            # Pair k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
+                workers[side].ready()
+            # Turn k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
             # speed (minutes long on a shared VM) hits both sides of a pair alike.
-            iterations[trl_side], iterations[ours_side] = [], []
-            for k in range(total):
-                for side in ((trl_side, ours_side) if k % 2 == 0 else (ours_side, trl_side)):
-                    iterations[side].append(workers[side].turn())
-                trl, ours = iterations[trl_side][-1], iterations[ours_side][-1]
+            def show(k: int, pair: dict) -> None:
+                trl, ours = pair[trl_side], pair[ours_side]
                 print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: {trl_side} {trl['seconds']:6.2f} s "
                       f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
                       f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}", flush=True)
+
+            iterations.update(take_turns(workers, total, show))
             peaks.update({side: worker.peak_rss_mib() for side, worker in workers.items()})
 
     table = {}
@@ -392,6 +333,7 @@ def main() -> None:
         seconds = sum(r["phase_seconds"][phase] for r in ours_rows)
         print(f"  {phase:<11}{flops / seconds / 1e9:8.1f} GFLOP/s  MFU {flops / seconds / peak:6.1%}  "
               f"({seconds / len(ours_rows):.2f} s/iteration)")
+    print(f"after: {load_average()}")
 
 
 if __name__ == "__main__":

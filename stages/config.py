@@ -443,14 +443,28 @@ class PPOConfig(_TrainingSection):
     max_prompt_len: int = Field(256, description="Prompt cap in tokens. ours: HH prompts on small models.")
     generation: GenerationConfig = Field(GenerationConfig(), description="Rollout sampling. MOSS's sampler "
                                                                          "settings (see each field).")
-    eval_every: int = Field(10, description="Held-out evaluation (RM score, length, perplexity, KL) every N "
-                                            "iterations. ours: ten evaluations in a default run.")
-    heldout_prompts: int = Field(32, description="Held-out prompts (eval_prompts split) per evaluation. ours: cheap, "
-                                                 "yet a stable mean.")
+    eval_every: int = Field(10, description="Held-out evaluation every N iterations and after the last: RM score, "
+                                            "KL to SFT, length, perplexity (T = 1), EOS rate, distinct-2, score-length "
+                                            "correlation, and paired deltas to SFT's responses to the same prompts "
+                                            "with confidence intervals (`statistics`); the collapse guard reads it. "
+                                            "ours: ten evaluations in a default run.")
+    heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) per evaluation. ours: 64, "
+                                                 "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
                                                "ours: as eval_every.")
     checkpoint_every: int = Field(10, description="Checkpoint every N iterations. ours: a killed run loses at "
                                                   "most 10 iterations.")
+    on_collapse: Literal["stop", "rollback", "warn"] = Field(
+        "rollback",
+        description="The live collapse guard (ours; the paper checks the same indicators after the fact): at each "
+                    "held-out evaluation the policy contract's bands (contracts.policy: KL, length and perplexity "
+                    "ratios to SFT, EOS rate) are checked. On a breach: stop (end the stage), rollback (restore the "
+                    "last checkpoint that passed, multiply the actor lr by rollback_lr_factor and go on; at most "
+                    "max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
+                    "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke.")
+    max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback).")
+    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,
+                                      description="The actor lr is multiplied by this at each rollback.")
 
     @model_validator(mode="after")
     def _kl_estimator_fits_its_place(self) -> PPOConfig:
@@ -596,9 +610,10 @@ class EvalConfig(_Section):
         [RewardModelJudgeConfig(), OpenAIJudgeConfig()],
         description="Judges of policy vs SFT responses (kind: reward_model, openai, local); the first decides "
                     "the champion.")
-    champion_margin: float = Field(
-        0.05, description="The first judge decides: alias @champion on the policy version when (win − lose) / n "
-                          "≥ this.")
+    champion_min_lower_bound: float = Field(
+        0.0, description="The first judge decides: alias @champion on the policy version when the lower bound of "
+                         "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
+                         "point estimate above it is not enough: on a few dozen prompts it is often noise.")
     seed: int = Field(42, description="Seed of the sampling.")
 
     @model_validator(mode="after")
@@ -607,6 +622,15 @@ class EvalConfig(_Section):
         if len(set(names)) != len(names):
             raise ValueError(f"judge names must differ (they name metrics): {names}")
         return self
+
+
+class StatisticsConfig(_Section):
+    """Confidence intervals of the paired policy-vs-SFT comparisons (stages/stats.py): PPO's
+    held-out evaluations, the eval stage's judges and the champion decision, a study's table."""
+
+    ci_level: float = Field(0.95, gt=0.0, lt=1.0, description="Coverage of every confidence interval.")
+    bootstrap_resamples: int = Field(4000, ge=100, description="Resamples of the prompts per bootstrap interval.")
+    seed: int = Field(0, description="Seed of the bootstrap resampling (an interval is reproducible).")
 
 
 class OrchestrationConfig(_Section):
@@ -641,6 +665,8 @@ class PipelineConfig(_Section):
     ppo: PPOConfig = Field(PPOConfig(), description="PPO-max (paper §5.3–5.4).")
     eval: EvalConfig = Field(EvalConfig(), description="Evaluation (paper §6): C-Eval and judged win rates.")
     contracts: ContractsConfig = Field(ContractsConfig(), description="Data-contract gates between stages.")
+    statistics: StatisticsConfig = Field(StatisticsConfig(), description="Confidence intervals of the policy-vs-SFT "
+                                                                         "comparisons.")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
 
     def section_hash(self, *sections: str) -> str:
@@ -678,6 +704,7 @@ RENAMED = {
     "eval.prompts": "eval.heldout_prompts",
     "model.dtype": "model.precision",
     "ppo.autocast": "model.precision",
+    "eval.champion_margin": "eval.champion_min_lower_bound",
 }
 
 
@@ -693,7 +720,7 @@ def upgrade_recorded(values: dict) -> dict:
         value = section.pop(old_key)
         if old == "model.dtype":  # the weights' dtype was the whole precision then (ppo.autocast aside)
             value = "bf16" if value == "bfloat16" else "fp32"
-        elif old == "ppo.autocast":
+        elif old in ("ppo.autocast", "eval.champion_margin"):  # no value of the new key means the same
             continue
         out.setdefault(new_section, {})[new_key] = value
     for judge in out.get("eval", {}).get("judges", []):

@@ -120,13 +120,14 @@ for _stage in (
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
           registers="critic", model_output="critic_model", contract={"critic": "critic_probe"},
           headline=("critic/final_value_loss", "critic/final_explained_variance"), skip_reason=_without_a_critic),
-    Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo"),
+    # ppo reads contracts.policy: the live collapse guard checks its bands at each held-out evaluation.
+    Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo", "contracts.policy", "statistics"),
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
           outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
           contract={"policy": "policy_probe"}, resumes=True,
           headline=("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate")),  # held out, before → after
-    # eval reads `reward`: the lengths the score judge reads.
-    Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval"),
+    # eval reads `reward`: the lengths the score judge reads; `statistics`: the intervals the champion rests on.
+    Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval", "statistics"),
           inputs=("splits", "sft_model", "reward_model", "policy_model"),
           optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
           contract={"evaluation": "eval_probe"},

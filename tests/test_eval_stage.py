@@ -40,7 +40,7 @@ def evaluated(sft_only):
             judges = [{"kind": "openai", "base_url": server.base_url, "api_key_env": KEY_ENV, "timeout_s": 10},
                       {"kind": "reward_model"}, {"kind": "local", "max_prompts": 2, "max_new_tokens": 4}]
             overrides = {"reward.max_steps": 2, "ppo.iterations": 2, "eval.judges": judges,
-                         "eval.champion_margin": -1.0}  # any result makes the policy champion
+                         "eval.champion_min_lower_bound": -2.0}  # below any net win: the policy is champion
             run_id = rlhf(preset="tiny", overrides=overrides, stages=["reward", "ppo", "eval"], from_run=sft_only)
             return run_id, server.calls
     finally:
@@ -70,6 +70,14 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
     for judge, n in (("openai", 8), ("reward_model", 8), ("local", 2)):
         rates = [metrics[f"eval/judge/{judge}/{v}_rate"] for v in ("win", "tie", "lose", "invalid")]
         assert metrics[f"eval/judge/{judge}/n"] == n and sum(rates) == pytest.approx(1.0)
+        low, net, high = (metrics[f"eval/judge/{judge}/net_win{end}"] for end in ("_ci_low", "", "_ci_high"))
+        assert -1.0 <= low <= net <= high <= 1.0 and net == pytest.approx(metrics[f"eval/judge/{judge}/net_win"])
+    # The score judge's paired delta: its interval brackets the mean of the judged pairs' deltas.
+    judged_by_rm = pd.read_json(tracking.download(f"runs:/{run.info.run_id}/report") / "judgements.jsonl", lines=True)
+    judged_by_rm = judged_by_rm[judged_by_rm["judge"] == "reward_model"]
+    assert metrics["eval/judge/reward_model/score_delta"] == pytest.approx(
+        (judged_by_rm["score_policy"] - judged_by_rm["score_sft"]).mean(), abs=1e-6)
+    assert metrics["eval/judge/reward_model/score_delta_ci_low"] <= metrics["eval/judge/reward_model/score_delta"]
     assert metrics["eval/judge/openai/invalid"] == 0 and 0 < http_calls <= 16  # 8 pairs × 2 orders, some cached
     for model in ("sft", "policy", "delta"):
         assert f"eval/ceval_0shot/overall/{model}" in metrics and f"eval/ceval_5shot/stem/{model}" in metrics
@@ -87,6 +95,7 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
         assert (report / png).read_bytes()[:4] == b"\x89PNG"
     text = (report / "report.md").read_text()
     assert "| harmless | openai |" in text and "| harmless | reward_model |" in text and "delta" in text
+    assert "net_win 95% CI" in text and "score_delta 95% CI" in text
     judged = pd.read_json(report / "judgements.jsonl", lines=True)
     assert set(judged["verdict"]) <= {"win", "tie", "lose", "invalid"} and len(judged) == 8 + 8 + 2
     summary = tracking.download(outputs["eval_summary"]).read_text()

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from pipeline_helpers import TRL_NAMES, stage_run, version_tags
 
 from stages import tracking
@@ -113,6 +114,16 @@ def test_ppo_logs_trl_metrics_samples_evals_and_checkpoints(full_run):
         assert [m.step for m in history] == list(range(1, cfg.iterations + 1)), name
         assert all(np.isfinite(m.value) for m in history), name
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "eval/kl")] == [0, 3, 6]  # 0: the SFT policy
+    # Each later held-out evaluation is paired with the SFT policy's: deltas with intervals, and the guard.
+    for name in ("eval/score_delta", "eval/response_length_delta", "eval/perplexity_delta", "eval/eos_rate_delta",
+                 "guard/passed", "guard/policy_iteration"):
+        assert [m.step for m in client.get_metric_history(ppo.info.run_id, name)] == [3, 6], name
+    for name in ("eval/distinct_2", "eval/score_length_corr"):  # the SFT policy's too
+        assert [m.step for m in client.get_metric_history(ppo.info.run_id, name)] == [0, 3, 6], name
+    metrics = ppo.data.metrics
+    assert metrics["eval/score_delta_ci_low"] <= metrics["eval/score_delta"] <= metrics["eval/score_delta_ci_high"]
+    assert metrics["guard/passed"] == 1.0 and ppo.data.tags["rlhf.collapse"] == "none"  # tiny's bands are wide
+    assert ppo.data.tags["rlhf.policy_iteration"] == str(cfg.iterations)
     samples = tracking.download(f"runs:/{ppo.info.run_id}/samples")
     table = json.loads((samples / "iteration_00006.json").read_text())
     assert table["columns"] == ["prompt", "response", "score", "ended_with_eos"]
@@ -162,6 +173,30 @@ def test_a_failed_policy_gate_tags_its_version_and_leaves_earlier_versions_as_th
     run = client.get_run(client.get_model_version("rlhf-tiny-policy", new).run_id)
     assert run.data.tags["rlhf.contract.policy"] == "failed"
     assert "policy.validation.json" in {f.path.split("/")[-1] for f in client.list_artifacts(run.info.run_id, "contracts")}
+
+
+def test_the_collapse_guard_rolls_back_then_stops_and_registers_the_last_passing_policy(full_run):
+    """A real breach: a 10× actor lr against a KL band of 1e-3 nats. The guard rolls back once,
+    stops at the next breach, and the stage registers the last policy that passed (here the SFT
+    policy, iteration 0), tagged with the iteration and rule that broke; the gate then passes."""
+    from safetensors.torch import load_file
+
+    from flows.rlhf import rlhf
+
+    rerun = rlhf(preset="tiny", overrides={"ppo.iterations": 4, "ppo.eval_every": 1, "ppo.actor_lr": 1e-2,
+                                           "ppo.on_collapse": "rollback", "ppo.max_rollbacks": 1,
+                                           "contracts.policy.max_kl": 1e-3}, stages=["ppo"], from_run=full_run)
+    ppo = stage_run(rerun, "ppo")
+    history = tracking.client().get_metric_history(ppo.info.run_id, "guard/rollbacks")
+    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 1.0)]  # rolled back at 1, stopped at 2
+    assert [m.value for m in tracking.client().get_metric_history(ppo.info.run_id, "guard/passed")] == [0.0, 0.0]
+    outputs = tracking.outputs_of(rerun)
+    tags = version_tags(outputs["policy_model"])
+    assert tags["rlhf.collapse"].startswith("iteration 2: expect_column_mean_to_be_between on column 'kl'")
+    assert tags["rlhf.policy_iteration"] == "0" and tags["rlhf.contract"] == "passed"
+    policy = load_file(str(tracking.download(outputs["policy_model"]) / "model.safetensors"))
+    sft = load_file(str(tracking.download(outputs["sft_model"]) / "model.safetensors"))
+    assert all(torch.equal(policy[name], sft[name]) for name in sft)
 
 
 def test_ppo_on_two_deepspeed_ranks(full_run):

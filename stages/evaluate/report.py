@@ -10,7 +10,10 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from stages import stats
+from stages.config import StatisticsConfig
 from stages.evaluate.ceval import CATEGORIES
+from stages.stats import Interval
 
 COLORS = {"win": "#4c72b0", "tie": "#b0b0b0", "lose": "#dd8452", "invalid": "#c44e52"}
 
@@ -94,12 +97,30 @@ def ceval_chart(table: pd.DataFrame, path: Path) -> None:
     figure.savefig(path)
 
 
-def judge_table(judged: pd.DataFrame) -> pd.DataFrame:
-    """win/tie/lose/invalid counts per (split, judge)."""
-    counts = judged.groupby(["split", "judge"])["verdict"].value_counts().unstack(fill_value=0)
-    counts = counts.reindex(columns=["win", "tie", "lose", "invalid"], fill_value=0)
-    counts["n"] = counts.sum(axis=1)
-    return counts.reset_index()
+def judge_intervals(judged: pd.DataFrame, statistics: StatisticsConfig) -> dict[str, Interval]:
+    """One judge's pairs: `net_win`, (win − lose) / n with its interval, and for a score judge
+    `score_delta`, the mean paired r(x, y_policy) − r(x, y_SFT) with its interval."""
+    options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
+    intervals = {"net_win": stats.net_win(judged["verdict"], **options)}
+    scored = judged.dropna(subset=["score_policy", "score_sft"]) if "score_policy" in judged else judged.iloc[:0]
+    if len(scored):
+        intervals["score_delta"] = stats.paired_delta(scored["score_policy"], scored["score_sft"], **options)
+    return intervals
+
+
+def judge_table(judged: pd.DataFrame, statistics: StatisticsConfig) -> pd.DataFrame:
+    """Per (split, judge): win/tie/lose/invalid counts, the net win with its confidence interval, and
+    for score judges the mean paired score delta with its interval."""
+    rows = []
+    for (split, judge), group in judged.groupby(["split", "judge"], sort=False):
+        counts = group["verdict"].value_counts()
+        row = {"split": split, "judge": judge, **{v: int(counts.get(v, 0)) for v in ("win", "tie", "lose", "invalid")},
+               "n": len(group)}
+        for name, interval in judge_intervals(group, statistics).items():
+            row.update({name: interval.estimate,
+                        f"{name} {interval.level:.0%} CI": f"[{interval.low:+.3f}, {interval.high:+.3f}]"})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def judge_chart(table: pd.DataFrame, path: Path) -> None:
@@ -139,7 +160,9 @@ def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None,
     lines = [f"# Evaluation, MLflow run `{run_id}`", ""]
     lines += [f"- {name}: `{uri}`" for name, uri in models.items()] + [f"- champion: {champion}", ""]
     if judges is not None:
-        lines += ["## Policy vs SFT, judged in both orders (a changed mind is a tie)", "", _markdown_table(judges), "",
+        lines += ["## Policy vs SFT, judged in both orders (a changed mind is a tie)", "",
+                  "net win = (win − lose) / n; score delta = mean paired r(x, y_policy) − r(x, y_SFT); CI: percentile "
+                  "bootstrap over the prompts, paired (stages/stats.py).", "", _markdown_table(judges), "",
                   "![win/tie/lose](judges.png)", ""]
     if ceval is not None:
         summary = ceval[ceval["scope"] != "subject"].drop(columns="scope")

@@ -1,7 +1,8 @@
 """The eval stage: C-Eval of the SFT model and the policy (the alignment tax), both models'
 sampled responses to held-out eval prompts judged pairwise by each configured judge, the report
 and probe frame in the stage's run, and the registry alias @champion on the policy version when
-the first judge finds it better than SFT by `eval.champion_margin`. A run without a policy
+the lower bound of the first judge's net-win confidence interval is above
+`eval.champion_min_lower_bound`. A run without a policy
 (only SFT ran) gets C-Eval of the SFT model alone."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from stages.launch import Dist
 from stages.ppo.generation import generate
 from stages.ppo.stage import encode_prompts
 from stages.reward.model import load_reward_model
+from stages.stats import Interval
 
 CHAMPION_ALIAS = "champion"
 
@@ -139,6 +141,15 @@ def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str)
     return pd.concat(judged, ignore_index=True)
 
 
+def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> tuple[bool, str]:
+    """(whether the policy becomes @champion, the sentence that says why): the lower bound of the
+    judge's net-win interval must be above `min_lower_bound`; a point estimate above it is not enough."""
+    won = net_win.low > min_lower_bound
+    reason = (f"judge {judge}: net win (win − lose)/n {net_win} at {net_win.level:.0%} confidence on {net_win.n} "
+              f"prompts; {'lower bound above' if won else 'lower bound not above'} {min_lower_bound:g}")
+    return won, f"{'yes' if won else 'no'} ({reason})"
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
@@ -170,15 +181,17 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
     judge_table, champion = None, "no policy"
     if len(judged):
-        judge_table = report.judge_table(judged)
+        judge_table = report.judge_table(judged, cfg.statistics)
+        intervals = {}
         for spec in ev.judges:
-            for key, value in tally(judged[judged["judge"] == spec.name]).items():
+            own = judged[judged["judge"] == spec.name]
+            for key, value in tally(own).items():
                 metrics[f"eval/judge/{spec.name}/{key}"] = value
+            intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
+            for name, interval in intervals[spec.name].items():
+                metrics.update(interval.metrics(f"eval/judge/{spec.name}/{name}"))
         decider = ev.judges[0].name
-        net_win = metrics[f"eval/judge/{decider}/net_win"]
-        won = net_win >= ev.champion_margin
-        champion = (f"{'yes' if won else 'no'} (judge {decider}: (win − lose)/n = {net_win:.3f}, "
-                    f"margin {ev.champion_margin})")
+        won, champion = champion_decision(decider, intervals[decider]["net_win"], ev.champion_min_lower_bound)
         metrics["eval/champion"] = float(won)
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)

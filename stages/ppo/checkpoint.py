@@ -145,6 +145,21 @@ def latest(directory: Path) -> Path | None:
 
 def load(trainer, folder: Path) -> None:
     """Restore `trainer` from a checkpoint folder written by `save`."""
+    _load_engines(trainer, folder)
+    trainer.load_state(torch.load(folder / "trainer.pt", weights_only=True))
+    if _rng_file(folder, trainer.dist.rank).exists():
+        load_rng_state(torch.load(_rng_file(folder, trainer.dist.rank), weights_only=True))
+
+
+def roll_back(trainer, folder: Path) -> None:
+    """Restore the models, optimisers, schedulers and running score statistics of a checkpoint, but
+    not its progress: iteration, episode, prompt cursor and RNG go on where they are (the collapse
+    guard's rollback trains on fresh prompts, and the curves keep one step per iteration run)."""
+    _load_engines(trainer, folder)
+    trainer.moments.load_state_dict(torch.load(folder / "trainer.pt", weights_only=True)["moments"])
+
+
+def _load_engines(trainer, folder: Path) -> None:
     for name, engine in _engine_states(trainer).items():
         if trainer.dist.deepspeed_config is not None:
             engine.load_checkpoint(str(folder / name), tag="state")
@@ -153,6 +168,3 @@ def load(trainer, folder: Path) -> None:
             states = torch.load(folder / f"{name}.optim.pt", weights_only=True)
             engine.optimizer.load_state_dict(states["optimizer"])
             engine.lr_scheduler.load_state_dict(states["scheduler"])
-    trainer.load_state(torch.load(folder / "trainer.pt", weights_only=True))
-    if _rng_file(folder, trainer.dist.rank).exists():
-        load_rng_state(torch.load(_rng_file(folder, trainer.dist.rank), weights_only=True))

@@ -12,12 +12,13 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, sources, tracking
-from stages.config import PipelineConfig
+from stages import precision, sources, stats, tracking
+from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
+from stages.ppo.guard import CollapseGuard
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments
 from stages.ppo.trainer import PPOTrainer, warmup_steps
@@ -90,23 +91,41 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
 
 @torch.no_grad()
 def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> tuple[dict[str, float], pd.DataFrame]:
-    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT; and
-    per response (each rank's share of `rows`, gathered) what the policy contract judges."""
+    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT, EOS rate,
+    distinct-2 (repetition inside a response), the score-length correlation (a reward-hacking sign);
+    and per response (each rank's share of `rows`, gathered) what the policy contract judges."""
     exp, _, _ = trainer.rollout(prompts, update_moments=False)
     mask = exp.response_mask
     kl = ((exp.logprobs - exp.ref_logprobs) * mask).sum(1)
-    metrics = {
-        "eval/score": exp.scores.mean().item(),
-        "eval/response_length": mask.sum(1).mean().item(),
-        "eval/perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask)).item(),  # T = 1, the model's own
-        "eval/kl": kl.mean().item(),
-        "eval/eos_rate": exp.ended_with_eos.float().mean().item(),
-    }
+    responses = [seq[m.bool()].tolist() for seq, m in zip(exp.sequences[:, exp.prompt_width :], mask)]
     per_response = {"response_tokens": mask.sum(1), "ended_with_eos": exp.ended_with_eos, "kl": kl,
-                    "perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask, dim=1)), "score": exp.scores}
+                    "perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask, dim=1)), "score": exp.scores,
+                    "distinct_2": torch.tensor([stats.distinct_n([r], 2) for r in responses])}
     gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in per_response.items()})
     frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int, "ended_with_eos": bool})
-    return trainer.mean_across_ranks(metrics), frame
+    metrics = {  # over all ranks' responses (the gathered frame)
+        "eval/score": frame["score"].mean(),
+        "eval/response_length": frame["response_tokens"].mean(),
+        "eval/perplexity": float(torch.exp(-masked_mean(exp.model_logprobs, mask)).item()),  # T = 1, this rank's tokens
+        "eval/kl": frame["kl"].mean(),
+        "eval/eos_rate": frame["ended_with_eos"].mean(),
+        "eval/distinct_2": frame["distinct_2"].mean(),
+        "eval/score_length_corr": stats.correlation(frame["score"], frame["response_tokens"]),
+    }
+    metrics["eval/perplexity"] = trainer.mean_across_ranks({"p": metrics["eval/perplexity"]})["p"]
+    return {k: float(v) for k, v in metrics.items()}, frame
+
+
+def paired_deltas(frame: pd.DataFrame, baseline: pd.DataFrame, statistics: StatisticsConfig) -> dict[str, float]:
+    """The held-out evaluation against the SFT policy's responses to the same prompts (the baseline
+    evaluation): mean paired deltas of score, length, perplexity and EOS, each with its interval."""
+    options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
+    metrics: dict[str, float] = {}
+    for column, name in (("score", "score"), ("response_tokens", "response_length"), ("perplexity", "perplexity"),
+                         ("ended_with_eos", "eos_rate")):
+        interval = stats.paired_delta(frame[column].astype(float), baseline[column].astype(float), **options)
+        metrics.update(interval.metrics(f"eval/{name}_delta"))
+    return metrics
 
 
 def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:
@@ -157,10 +176,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     resume_from = checkpoint.latest(checkpoints)
     # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
     # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
-    # curve and of the policy contract.
+    # curve, of the paired deltas and of the policy contract.
     baseline_metrics, baseline = evaluate(trainer, eval_prompts, eval_rows)
+    guard = CollapseGuard(cfg, baseline, dist.workdir, dist)
     if resume_from is not None:
         checkpoint.load(trainer, resume_from)
+    else:
+        guard.start(trainer)
     if dist.is_main:
         tracker.log_params({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
                             "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
@@ -176,11 +198,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
                     disable=not dist.is_main, dynamic_ncols=True)
     started = time.perf_counter()
-    while trainer.iteration < ppo.iterations:
+    while trainer.iteration < ppo.iterations and not guard.stopped:
         metrics = trainer.step()
         it = trainer.iteration
-        if it % ppo.eval_every == 0 and it < ppo.iterations:  # the last one follows the loop
-            metrics.update(evaluate(trainer, eval_prompts, eval_rows)[0])
+        if it % ppo.eval_every == 0 or it == ppo.iterations:
+            heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows)
+            metrics.update({**heldout_metrics, **paired_deltas(frame, baseline, cfg.statistics),
+                            **guard.check(trainer, frame)})
         if dist.is_main:
             tracker.log_metrics(metrics, step=it)
             if it % ppo.samples_every == 0 or it == ppo.iterations:
@@ -189,19 +213,20 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                 histogram = tracker.workdir / f"scores_{it:05d}.png"
                 score_histogram(table["score"].tolist(), f"scores at iteration {it}", histogram)
                 tracker.log_artifact(histogram, "samples", buffered=True)
-        if it % ppo.checkpoint_every == 0 and it < ppo.iterations:
+        if it % ppo.checkpoint_every == 0 and it < ppo.iterations and not guard.stopped:
             checkpoint.save(trainer, checkpoints)
         progress.update(1)
         progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
     progress.close()
-    final_metrics, final = evaluate(trainer, eval_prompts, eval_rows)
+    # The policy to register: the last one the guard passed (the final one unless a breach came after).
+    if guard.state.passing_iteration != trainer.iteration:
+        checkpoint.roll_back(trainer, checkpoint.latest(guard.directory))
+    probe = guard.passing_probe() if dist.is_main else None
 
     outputs: dict = {}
     if dist.is_main:
-        tracker.log_metrics({**final_metrics, "ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
-        # The policy contract's probe: the final evaluation beside the SFT policy's means.
-        probe = final.assign(sft_response_tokens_mean=baseline["response_tokens"].mean(),
-                             sft_perplexity_mean=baseline["perplexity"].mean())
+        tracker.log_metrics({"ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
+        tracker.set_tags(guard.tags())
         policy = trained_model(trainer.actor)
 
         def save(out: Path) -> None:
@@ -209,7 +234,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             policy.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
 
-        lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator}
+        lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
         if critic is None:  # a critic-free estimator read no critic, whatever the inputs held
             lineage["rlhf.input.critic_model"] = ""
         published = tracker.publish_model(save, cfg=cfg, inputs=inputs, lineage=lineage)

@@ -1,0 +1,128 @@
+"""Sides of a benchmark taking turns in one run (peer_trl.py, peer_trl_rm.py).
+
+Each side lives in its own process, built once (loading is not measured, and each side's peak RSS
+is its own). It says `READY {json}` on stdout when built, then runs one chunk of its work each time
+the parent writes `go` on its stdin, answering with one `TURN {json}` line, and ends with one
+`RESULT {json}` line carrying its peak RSS. Other stdout lines (a library's log lines) are skipped;
+stderr goes to a log file whose tail is shown if the side fails. The order of the sides rotates from
+one turn to the next, so a slow phase of a shared machine (minutes long) hits all sides of a turn
+alike: the turn's ratios are the numbers to trust, and the median and range of them say how much
+the machine moved them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+
+# -- inside a side's process -------------------------------------------------------------------
+def ready(**fields) -> None:
+    print("READY " + json.dumps(fields), flush=True)
+
+
+def wait_for_turn() -> float:
+    """Block until the parent gives this side its next turn; the time it starts."""
+    if sys.stdin.readline().strip() != "go":
+        sys.exit("bench worker: the parent ended the run")
+    return time.perf_counter()
+
+
+def report_turn(**fields) -> None:
+    print("TURN " + json.dumps(fields), flush=True)
+
+
+def finish() -> None:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print("RESULT " + json.dumps({"peak_rss_mib": peak}), flush=True)
+
+
+# -- in the parent -----------------------------------------------------------------------------
+class Worker:
+    """One side's process: `ready()` once it is built, then one chunk per `turn()`."""
+
+    def __init__(self, side: str, command: list, log: Path):
+        self.side, self.log = side, log
+        with open(log, "w") as stderr:
+            self.process = subprocess.Popen([str(part) for part in command], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
+
+    def expect(self, prefix: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+        self.process.wait()
+        sys.exit(f"{self.side}'s side failed (exit {self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+
+    def ready(self) -> dict:
+        return self.expect("READY ")
+
+    def send(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def turn(self) -> dict:
+        self.send("go")
+        return self.expect("TURN ")
+
+    def peak_rss_mib(self) -> float:
+        result = self.expect("RESULT ")
+        self.process.stdin.close()
+        self.process.wait()
+        return result["peak_rss_mib"]
+
+
+def take_turns(workers: dict[str, Worker], turns: int, on_turn=None) -> dict[str, list[dict]]:
+    """`turns` rounds in which every side runs one chunk; round k starts with side k mod n, so who
+    goes first rotates. `on_turn(k, {side: its report})` is called after each round (to print it)."""
+    sides = list(workers)
+    reports: dict[str, list[dict]] = {side: [] for side in sides}
+    for k in range(turns):
+        for side in sides[k % len(sides):] + sides[: k % len(sides)]:
+            reports[side].append(workers[side].turn())
+        if on_turn is not None:
+            on_turn(k, {side: reports[side][-1] for side in sides})
+    return reports
+
+
+def chunk_bounds(steps: int, turns: int) -> list[int]:
+    """Cut `steps` consecutive steps into `turns` chunks as even as possible: the chunks' bounds."""
+    if not 1 <= turns <= steps:
+        raise ValueError(f"{turns} turns need between 1 and {steps} (the steps) chunks")
+    return [round(i * steps / turns) for i in range(turns + 1)]
+
+
+def spread(ratios: list[float]) -> str:
+    ordered = sorted(ratios)
+    return f"median ×{statistics.median(ordered):.2f}, range ×{ordered[0]:.2f} … ×{ordered[-1]:.2f}"
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min) on {os.cpu_count()} cores"
+
+
+def trl_python(venv: Path, version: str, check: str) -> Path:
+    """venv/bin/python with trl==version installed (`check`, a Python statement, must succeed);
+    created once. The environment sees the torch and transformers of the running interpreter's
+    environment through a .pth file, so both sides run the same builds of them; only trl and its
+    own extra dependencies (datasets) go into it."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", check], capture_output=True).returncode == 0:
+        return python
+    print(f"creating {venv} with trl=={version} (torch and transformers shared from {sys.prefix})", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "_shared_with_rlhf_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([python, "-m", "pip", "install", "-q", f"trl=={version}"], check=True)
+    subprocess.run([python, "-c", check], check=True)
+    return python
