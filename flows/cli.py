@@ -137,6 +137,35 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    from stages.config import ConfigError, load_config
+
+    if args.resume and (args.preset or args.overrides):
+        raise ConfigError(f"--resume {args.resume}: a resumed study keeps the config it started with; leave out "
+                          f"--preset/--set")
+    args.preset = args.preset or "study"
+    if not args.resume:
+        load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    from data_contracts import ContractError
+    from flows.study import study
+    from stages import tracking
+
+    _open_stores()
+    try:
+        with _quiet_expected_errors((ContractError, tracking.TrackingUnavailable)):
+            study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume)
+    except ContractError as err:
+        print(f"rlhf: {err}\nThe gate's report is in MLflow run {err.report.run_id} under contracts/; continue "
+              f"the study with: rlhf study --resume <study run id> (printed above)", file=sys.stderr)
+        return 2
+    from stages.config import rlhf_home
+
+    folder = rlhf_home() / "studies" / study_id
+    print(f"\nStudy run {study_id} finished.\n\n{(folder / 'study.md').read_text()}\nFigure: {folder / 'study.png'} "
+          f"(and in MLflow run {study_id}, artifacts study/)\nContinue or repeat it: rlhf study --resume {study_id}")
+    return 0
+
+
 def _flow(value) -> str:
     """A value as one line of YAML (flow style), as `rlhf config` would print it."""
     text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, allow_unicode=True, width=1 << 30).strip()
@@ -217,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--force", action="store_true",
                      help="run every stage, even those whose inputs and config match an earlier run's (skipped by default)")
 
+    study = sub.add_parser("study", help="PPO arms (ppo-max, vanilla, ...) on one shared chain: curves and a table "
+                                         "with confidence intervals")
+    _config_args(study)
+    study.add_argument("--resume", default=None, metavar="STUDY_RUN_ID",
+                       help="continue a stopped study: finished arms are kept, an unfinished one resumes")
+
     serve = sub.add_parser("serve", help="serve the deployments rlhf/full, rlhf/sft, ...")
     serve.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"))
 
@@ -279,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "compare":
             return _compare(args)
+        if args.command == "study":
+            return _study(args)
         if args.contracts:
             args.overrides.append(f"contracts.mode={args.contracts}")
         if args.resume and (args.preset or args.overrides):

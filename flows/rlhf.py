@@ -160,6 +160,8 @@ def rlhf(
     from_run: str | None = None,
     resume: str | None = None,
     force: bool = False,
+    study: str | None = None,
+    arm: str | None = None,
 ) -> str:
     """Run the pipeline stages in order; returns the MLflow run id of this pipeline run.
 
@@ -168,7 +170,8 @@ def rlhf(
     the stages not run here. resume: a failed or killed pipeline run id to continue, with
     the config it started with (preset and overrides are not read): its finished stages are kept, the others run again in its folders (training resumes from the
     last good checkpoint). force: run every stage, even one whose inputs and config match an
-    earlier run's (by default such a stage is skipped and its earlier outputs are used).
+    earlier run's (by default such a stage is skipped and its earlier outputs are used). study,
+    arm: this run is arm `arm` of the study whose MLflow run id is `study` (flows/study.py).
     """
     # A resumed run continues with the config it started with (its preset and overrides).
     cfg = tracking.recorded_config(resume) if resume else load_config(preset, overrides)
@@ -192,7 +195,7 @@ def rlhf(
     else:
         inputs = tracking.outputs_of(from_run) if from_run else {}
         pipeline = tracking.PipelineRun.start(cfg, stages, from_run, inputs,
-                                              extra_tags={tracking.FLOW_RUN_TAG: str(flow_run.id)})
+                                              extra_tags={tracking.FLOW_RUN_TAG: str(flow_run.id)}, study=study, arm=arm)
     print(f"pipeline run {pipeline.run_id} (MLflow {tracking.tracking_uri()})")
     try:
         for name in registry.names():

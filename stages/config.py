@@ -633,6 +633,40 @@ class StatisticsConfig(_Section):
     seed: int = Field(0, description="Seed of the bootstrap resampling (an interval is reproducible).")
 
 
+STUDY_SECTIONS = ("ppo", "eval", "contracts.policy", "contracts.eval", "statistics")  # what an arm may change
+
+
+class StudyConfig(_Section):
+    """`rlhf study`: one data → SFT → reward → critic chain, then PPO and evaluation once per arm on
+    the same artifacts and prompts (flows/study.py)."""
+
+    arms: dict[str, dict[str, Any]] = Field(
+        {"ppo-max": {}, "vanilla": {"ppo.preset": "vanilla"}},
+        description="Arm name → its overrides (dotted keys under ppo, eval, contracts.policy, contracts.eval or "
+                    "statistics only: every arm shares the chain). The paper's comparison: PPO-max against vanilla "
+                    "PPO (Figs. 4 and 9).")
+    ablations: bool = Field(False, description="Also one arm per PPO-max switch turned off alone (`ppo-max without "
+                                               "<switch>`), the paper's ablation of its tricks.")
+
+    @model_validator(mode="after")
+    def _arms_share_the_chain(self) -> StudyConfig:
+        for arm, overrides in self.arms.items():
+            for key in overrides:
+                if not any(key == s or key.startswith(f"{s}.") for s in STUDY_SECTIONS):
+                    raise ValueError(f"study arm '{arm}' sets '{key}': an arm may set only keys under "
+                                     f"{', '.join(STUDY_SECTIONS)} (the chain before PPO is shared by every arm)")
+        return self
+
+    def all_arms(self) -> dict[str, dict[str, Any]]:
+        """The arms, with the ablation arms when `ablations` is on."""
+        arms = dict(self.arms)
+        if self.ablations:
+            for switch, value in PPO_PRESETS["ppo-max"].items():
+                off = "none" if switch == "score_mode" else False
+                arms.setdefault(f"ppo-max without {switch}", {"ppo.preset": "ppo-max", f"ppo.{switch}": off})
+        return arms
+
+
 class OrchestrationConfig(_Section):
     """How the flow runs the stages (flows/rlhf.py). Only infrastructure failures are retried (a
     rank that crashed, a lost connection); a gate or a training error fails the same way again."""
@@ -667,6 +701,7 @@ class PipelineConfig(_Section):
     contracts: ContractsConfig = Field(ContractsConfig(), description="Data-contract gates between stages.")
     statistics: StatisticsConfig = Field(StatisticsConfig(), description="Confidence intervals of the policy-vs-SFT "
                                                                          "comparisons.")
+    study: StudyConfig = Field(StudyConfig(), description="`rlhf study`: PPO arms on one shared chain.")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
 
     def section_hash(self, *sections: str) -> str:

@@ -113,7 +113,7 @@ for _stage in (
     Stage("sft", "stages.sft", config=("model", "data", "sft"), inputs=("splits",),
           outputs=("sft_model", "sft_model_artifact", "sft_probe"), registers="sft", model_output="sft_model",
           contract={"sft": "sft_probe"}, headline=("eval/perplexity",)),  # before → after
-    Stage("reward", "stages.reward", config=PIPELINE, inputs=("splits", "sft_model"),
+    Stage("reward", "stages.reward", config=(*PIPELINE, "statistics.ci_level"), inputs=("splits", "sft_model"),
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
           contract={"reward": "reward_probe"}, headline=("eval/accuracy", "eval/margin")),
     Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
@@ -125,13 +125,14 @@ for _stage in (
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
           outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
           contract={"policy": "policy_probe"}, resumes=True,
-          headline=("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate")),  # held out, before → after
+          # held out, before → after; the paired delta to SFT with its interval
+          headline=("eval/score", "eval/score_delta", "eval/kl", "eval/response_length", "eval/eos_rate")),
     # eval reads `reward`: the lengths the score judge reads; `statistics`: the intervals the champion rests on.
     Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval", "statistics"),
           inputs=("splits", "sft_model", "reward_model", "policy_model"),
           optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
           contract={"evaluation": "eval_probe"},
           headline=("eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate", "eval/judge/*/n",
-                    "eval/ceval_*shot/overall/delta")),
+                    "eval/judge/*/net_win", "eval/ceval_*shot/overall/delta")),
 ):
     register(_stage)

@@ -68,6 +68,13 @@ def _number(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _with_interval(view: StageView, name: str, value: float) -> str:
+    """A headline value, and its confidence interval where the stage logged one (`<name>_ci_low/high`)."""
+    metrics = view.run.data.metrics
+    low, high = metrics.get(f"{name}_ci_low"), metrics.get(f"{name}_ci_high")
+    return _number(value) + (f" [{_number(low)}, {_number(high)}]" if low is not None and high is not None else "")
+
+
 def _cell(value: str, width: int = 48) -> str:
     return value if len(value) <= width else value[: width - 1] + "…"
 
@@ -110,10 +117,11 @@ def compare(run_a: str, run_b: str, png: Path) -> str:
     names = [f"{run.info.run_name} ({run.info.run_id[:8]})" for run in runs]
     rows = [("", "", *names)]
     for stage in registry.STAGES.values():
-        values = [views[k][stage.name].headline() if stage.name in views[k] else {} for k in range(2)]
-        for name in stage.headline:
-            if any(name in v for v in values):
-                rows.append((stage.name, name, *(_number(v[name]) if name in v else "-" for v in values)))
+        own = [views[k].get(stage.name) for k in range(2)]
+        values = [view.headline() if view is not None else {} for view in own]
+        for name in dict.fromkeys(n for v in values for n in v):  # the patterns' matches, in order, once
+            rows.append((stage.name, name, *(_with_interval(view, name, v[name]) if name in v else "-"
+                                             for view, v in zip(own, values))))
     params = [_params(run, list(v.values())) for run, v in zip(runs, views)]
     differ = sorted(key for key in set(params[0]) | set(params[1]) if params[0].get(key) != params[1].get(key))
     rows.append(("", "", "", ""))
@@ -173,10 +181,10 @@ def _cells(view: StageView, metrics: dict[str, float]) -> list[str]:
     for name, (before, after) in view.before_after().items():
         metrics[f"{view.stage}/{name}"] = after
         if before is None:
-            cells.append(f"{name} {_number(after)}")
+            cells.append(f"{name} {_with_interval(view, name, after)}")
         else:
             metrics[f"{view.stage}/{name}/before"] = before
-            cells.append(f"{name} {_number(before)} → {_number(after)}")
+            cells.append(f"{name} {_number(before)} → {_with_interval(view, name, after)}")
     return cells
 
 

@@ -31,6 +31,7 @@ CONFIG_ARTIFACT = "config.json"  # on a pipeline run: the resolved config it ran
 # stage's own deployment, which this pipeline run started).
 STAGE_TAG_PREFIX = "rlhf.stage."
 FLOW_RUN_TAG = "rlhf.prefect_flow_run"  # on a pipeline run: the Prefect flow run that made it
+STUDY_TAG, ARM_TAG = "rlhf.study", "rlhf.arm"  # a study's pipeline runs: the study's run id, the arm's name
 CONTRACT_TAG = "rlhf.contract"  # passed | failed, set by the gate after the stage (data_contracts)
 
 
@@ -387,9 +388,11 @@ class PipelineRun:
 
     @classmethod
     def start(cls, cfg: PipelineConfig, stages: list[str], from_run: str | None = None,
-              inputs: dict[str, str] | None = None, extra_tags: dict[str, str] | None = None) -> PipelineRun:
+              inputs: dict[str, str] | None = None, extra_tags: dict[str, str] | None = None,
+              study: str | None = None, arm: str | None = None) -> PipelineRun:
         """A new pipeline run; `inputs` (the outputs of `from_run` it starts from) are recorded as
-        its tag `rlhf.inputs`, so a later run from this one finds them too."""
+        its tag `rlhf.inputs`, so a later run from this one finds them too. In a study (`study`: the
+        study's MLflow run id) it is a child of the study's run, named and tagged by its `arm`."""
         mlflow_client = client()
         exp = experiment_id(mlflow_client, cfg.experiment)
         tags = {
@@ -404,7 +407,11 @@ class PipelineRun:
             tags["rlhf.from_run"] = from_run
         if inputs:
             tags[INPUTS_TAG] = json.dumps(inputs)
-        run = mlflow_client.create_run(exp, tags=tags, run_name=run_title(cfg, stages, from_run))
+        title = run_title(cfg, stages, from_run)
+        if study:
+            tags.update({"mlflow.parentRunId": study, STUDY_TAG: study, ARM_TAG: arm or ""})
+            title = f"{cfg.preset} study · {arm}"
+        run = mlflow_client.create_run(exp, tags=tags, run_name=title)
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)
         return cls(mlflow_client, run.info.run_id, cfg)

@@ -114,6 +114,8 @@ def test_ppo_logs_trl_metrics_samples_evals_and_checkpoints(full_run):
         assert [m.step for m in history] == list(range(1, cfg.iterations + 1)), name
         assert all(np.isfinite(m.value) for m in history), name
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "eval/kl")] == [0, 3, 6]  # 0: the SFT policy
+    k3 = client.get_metric_history(ppo.info.run_id, "objective/kl_k3")  # beside k1, which may be negative: never
+    assert len(k3) == cfg.iterations and all(m.value >= 0 for m in k3)
     # Each later held-out evaluation is paired with the SFT policy's: deltas with intervals, and the guard.
     for name in ("eval/score_delta", "eval/response_length_delta", "eval/perplexity_delta", "eval/eos_rate_delta",
                  "guard/passed", "guard/policy_iteration"):

@@ -115,14 +115,14 @@ def test_a_tiny_reward_model_learns_a_synthetic_preference(tokenizer, tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=rm.lr, betas=rm.adam_betas)
     engine = PlainEngine(model, optimizer, cosine_with_warmup(optimizer, int(rm.warmup_ratio * total_steps), total_steps),
                          grad_accum_steps=1, max_grad_norm=rm.max_grad_norm)
-    before = score_heldout(model, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics()
+    before = score_heldout(model, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics(0.95)
     engine.train()
     for epoch in range(rm.epochs):
         for indices in sampler.batches(epoch):
             loss, _, _ = forward_pairs(engine, pair_batch([train[i] for i in indices], pad, "cpu"), len(indices), rm.beta_rm)
             engine.backward(loss.total)
             engine.step()
-    after = score_heldout(model, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics()
+    after = score_heldout(model, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics(0.95)
     assert after["eval/accuracy"] >= 0.9 > before["eval/accuracy"]
     assert after["eval/lm_loss"] < before["eval/lm_loss"]  # the LM head learns the answers too
 
@@ -131,4 +131,4 @@ def test_a_tiny_reward_model_learns_a_synthetic_preference(tokenizer, tmp_path):
     save_reward_model(model, tokenizer, tmp_path, {"heldout_accuracy": after["eval/accuracy"]})
     loaded = load_reward_model(tmp_path, ModelConfig())
     assert (loaded.score_mean, loaded.score_std) == (model.score_mean, model.score_std)
-    assert score_heldout(loaded, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics() == pytest.approx(after, abs=1e-5)
+    assert score_heldout(loaded, heldout, heldout_sampler, pad, rm.beta_rm, dist).metrics(0.95) == pytest.approx(after, abs=1e-5)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stages import sources, tracking
+from stages import stats, sources, tracking
 from stages.config import load_config
 from stages.data import read_jsonl
 from stages.launch import Dist, execute
@@ -35,6 +35,9 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
     for name in ("train/loss", "train/accuracy", "train/margin", "train/tokens_per_s", "train/padding_fraction",
                  "eval/loss", "eval/accuracy", "eval/margin", "eval/score_mean", "eval/score_std"):
         assert np.isfinite(run.data.metrics[name]), name
+    accuracy = stats.wilson(round(run.data.metrics["eval/accuracy"] * cfg.reward.heldout_pairs), cfg.reward.heldout_pairs)
+    assert (run.data.metrics["eval/accuracy_ci_low"], run.data.metrics["eval/accuracy_ci_high"]) == pytest.approx(
+        (accuracy.low, accuracy.high))  # Wilson's interval on the held-out pairs
     steps = int(run.data.params["reward.total_steps"])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, steps + 1))
 

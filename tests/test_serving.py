@@ -172,6 +172,9 @@ def test_compare_prints_the_headline_table_and_writes_the_curves(stack, runs, tm
     assert re.search(r"param +ppo\.switches\.score_mode +normalise +none", out.stdout)
     for metric in ("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate", "eval/perplexity"):
         assert re.search(rf"\n\w+ +{re.escape(metric)} +-?[\d.]+ +-?[\d.]+", out.stdout), metric
+    number = r"[-+\d.e]+"  # a judge's net win and the PPO score delta come with their intervals
+    for metric in ("eval/judge/reward_model/net_win", "eval/score_delta"):
+        assert re.search(rf"\n\w+ +{re.escape(metric)} +{number} \[{number}, {number}\] +{number} \[", out.stdout), metric
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -20,7 +20,8 @@ import torch
 from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist
-from stages.losses import POLICY_STAT_NAMES, entropy, kl_loss, ptx_loss, registered_policy_loss, value_loss
+from stages.losses import (POLICY_STAT_NAMES, entropy, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
+                           value_loss)
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.ppo.generation import log_distribution, picked
@@ -158,7 +159,11 @@ class PPOTrainer:
         metrics = {
             "objective/scores": exp.scores.mean().item(),
             "objective/scores_shaped": shaped.mean().item(),
+            # Per response, summed over tokens, with ppo.kl_estimator (k1 by default): unbiased, but a
+            # batch mean can be negative when π samples tokens it rates below π_SFT. k3 beside it:
+            # never negative, the number to read as "how far from SFT" (Schulman, "Approximating KL").
             "objective/kl": kl_per_sequence.mean().item(),
+            "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
             "objective/non_score_reward": (-reward_beta * kl_per_sequence).mean().item(),
             "objective/rlhf_reward": (exp.scores - reward_beta * kl_per_sequence).mean().item(),
             "objective/entropy": (-exp.logprobs.sum(1)).mean().item(),

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, sources, tracking
+from stages import precision, sources, stats, tracking
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -78,14 +78,16 @@ class HeldoutScores:
     def margins(self) -> np.ndarray:
         return self.r_chosen - self.r_rejected
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, ci_level: float) -> dict[str, float]:
+        """Held-out loss, accuracy (with its Wilson interval at `ci_level`), margin, score statistics."""
         scores = np.concatenate([self.r_chosen, self.r_rejected])
+        accuracy = stats.wilson(int(np.sum(self.margins > 0)), len(self.margins), ci_level)
         pairwise = float(pairwise_loss(torch.from_numpy(self.r_chosen), torch.from_numpy(self.r_rejected)))
         return {
             "eval/loss": pairwise + self.beta_rm * self.lm_loss,
             "eval/pairwise_loss": pairwise,
             "eval/lm_loss": self.lm_loss,
-            "eval/accuracy": float(np.mean(self.margins > 0)),
+            **accuracy.metrics("eval/accuracy"),
             "eval/margin": float(np.mean(self.margins)),
             "eval/score_mean": float(scores.mean()),
             "eval/score_std": float(scores.std()),
@@ -201,7 +203,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     train_seconds = time.perf_counter() - started
 
     scores = score_heldout(engine.module, heldout, heldout_sampler, pad_id, rm.beta_rm, dist)
-    metrics = scores.metrics()
+    metrics = scores.metrics(cfg.statistics.ci_level)
     engine.module.score_mean, engine.module.score_std = metrics["eval/score_mean"], metrics["eval/score_std"]
     outputs: dict = {}
     if dist.is_main:

@@ -1,0 +1,65 @@
+"""The `rlhf-study` Prefect flow: one chain (data → SFT → reward → critic), then PPO and
+evaluation once per arm on the chain's artifacts, each a pipeline run (a subflow of this one)
+nested under the study's MLflow run; at the end the study's figure and table (stages/study.py).
+
+Arms run one after another in this process. A study resumes where it stopped (`resume`: the
+study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
+from its last checkpoint), a missing one starts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.rlhf import rlhf
+from stages import study as studies
+from stages import tracking
+from stages.config import load_config, rlhf_home
+
+
+def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:
+    """The study's overrides, then the arm's (as `key=value`, values in JSON, which YAML reads)."""
+    if isinstance(base, dict):
+        base = [f"{k}={json.dumps(v)}" for k, v in base.items()]
+    return [*(base or []), *(f"{k}={json.dumps(v)}" for k, v in arm.items())]
+
+
+@flow(name="rlhf-study", log_prints=True)
+def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = None,
+          resume: str | None = None) -> str:
+    """Run (or with `resume`, continue) a study; returns its MLflow run id."""
+    if resume:
+        cfg, preset, overrides, arms = studies.reopen(resume)
+        study_id = resume
+    else:
+        overrides = _arm_overrides(overrides, {})
+        cfg = load_config(preset, overrides)
+        arms = cfg.study.all_arms()
+        for name, arm in arms.items():  # every arm's config validates before anything runs
+            load_config(preset, _arm_overrides(overrides, arm))
+        study_id = studies.start(cfg, preset, overrides, arms)
+    print(f"study {study_id}: arms {', '.join(arms)} (MLflow {tracking.tracking_uri()})")
+    done = studies.arm_runs(study_id)
+
+    def run(arm: str, stages: list[str], arm_config: dict[str, Any], from_run: str | None) -> str:
+        earlier = done.get(arm)
+        if earlier is not None and earlier.info.status == "FINISHED":
+            print(f"study {study_id}: {arm} finished before (pipeline run {earlier.info.run_id})")
+            return earlier.info.run_id
+        if earlier is not None:
+            print(f"study {study_id}: {arm} resumes pipeline run {earlier.info.run_id}")
+            return rlhf(preset=preset, resume=earlier.info.run_id)
+        return rlhf(preset=preset, overrides=_arm_overrides(overrides, arm_config), stages=stages, from_run=from_run,
+                    study=study_id, arm=arm)
+
+    chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
+    for name, arm in arms.items():
+        run(name, studies.ARM_STAGES, arm, chain)
+    text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
+    create_markdown_artifact(text.replace("![curves](study.png)", f"Figure: `study/study.png` in MLflow run {study_id}."),
+                             key="rlhf-study", description=f"RLHF study {study_id}")
+    return study_id

@@ -1,0 +1,54 @@
+"""`rlhf study` on the tiny preset through the real Prefect flow and MLflow store: one chain, two
+PPO arms on its artifacts, the figure and the table with intervals on the study's run; a resumed
+study keeps its finished arms."""
+
+from __future__ import annotations
+
+import pytest
+from pipeline_helpers import version_tags
+
+from stages import study as studies
+from stages import tracking
+from stages.config import ConfigError, load_config
+
+FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
+
+
+def test_an_arm_may_not_change_the_shared_chain():
+    with pytest.raises(ConfigError, match="study arm 'bigger-rm' sets 'reward.lr': an arm may set only keys under ppo"):
+        load_config("tiny", ["study.arms={bigger-rm: {reward.lr: 1.0e-4}}"])
+
+
+def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, capsys):
+    from flows.cli import main
+
+    assert main(["study", "--preset", "tiny", *(a for o in FAST for a in ("--set", o))]) == 0
+    out = capsys.readouterr().out
+    study_id = out.split("Study run ", 1)[1].split()[0]
+    runs = studies.arm_runs(study_id)
+    assert set(runs) == {"chain", "ppo-max", "vanilla"}
+    assert all(run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == study_id
+               for run in runs.values())
+    assert runs["vanilla"].info.run_name == "tiny study · vanilla"
+    chain = tracking.outputs_of(runs["chain"].info.run_id)
+    for arm, preset in (("ppo-max", "ppo-max"), ("vanilla", "vanilla")):
+        policy = version_tags(tracking.outputs_of(runs[arm].info.run_id)["policy_model"])
+        assert policy["rlhf.ppo_preset"] == preset
+        for model in ("sft_model", "reward_model", "critic_model"):  # both arms start from the chain's models
+            assert policy[f"rlhf.input.{model}"] == chain[model]
+
+    client = tracking.client()
+    study = client.get_run(study_id)
+    assert study.info.status == "FINISHED" and study.data.tags["rlhf.kind"] == "study"
+    for arm in ("ppo-max", "vanilla"):
+        assert f"{arm}/eval/score_delta" in study.data.metrics and f"{arm}/eval/judge/reward_model/net_win_ci_low" in study.data.metrics
+    folder = tracking.download(f"runs:/{study_id}/study")
+    assert (folder / "study.png").read_bytes()[:4] == b"\x89PNG"
+    table = (folder / "study.md").read_text()
+    assert "| ppo-max | 2 |" in table and "| vanilla | 2 |" in table and " [" in table and "collapse guard" in table
+    assert "Figure:" in out and "| ppo-max |" in out
+
+    # Resumed, a finished study runs nothing again.
+    assert main(["study", "--resume", study_id]) == 0
+    again = studies.arm_runs(study_id)
+    assert {arm: run.info.run_id for arm, run in again.items()} == {arm: run.info.run_id for arm, run in runs.items()}
