@@ -56,10 +56,14 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
         return rlhf(preset=preset, overrides=_arm_overrides(overrides, arm_config), stages=stages, from_run=from_run,
                     study=study_id, arm=arm)
 
-    chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
-    for name, arm in arms.items():
-        run(name, studies.ARM_STAGES, arm, chain)
-    text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
+    try:
+        chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
+        for name, arm in arms.items():
+            run(name, studies.ARM_STAGES, arm, chain)
+        text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
+    except BaseException:
+        tracking.client().set_terminated(study_id, status="FAILED")  # `--resume` it: finished arms are kept
+        raise
     create_markdown_artifact(text.replace("![curves](study.png)", f"Figure: `study/study.png` in MLflow run {study_id}."),
                              key="rlhf-study", description=f"RLHF study {study_id}")
     return study_id

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -651,6 +652,9 @@ class StudyConfig(_Section):
     @model_validator(mode="after")
     def _arms_share_the_chain(self) -> StudyConfig:
         for arm, overrides in self.arms.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.\- ]+", arm):
+                raise ValueError(f"study arm name {arm!r}: letters, digits, spaces, '_', '-' and '.' only (it names "
+                                 f"MLflow params and metrics)")
             for key in overrides:
                 if not any(key == s or key.startswith(f"{s}.") for s in STUDY_SECTIONS):
                     raise ValueError(f"study arm '{arm}' sets '{key}': an arm may set only keys under "

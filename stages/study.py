@@ -41,8 +41,12 @@ def start(cfg: PipelineConfig, preset: str, overrides: list[str], arms: dict[str
             "rlhf.git_commit": tracking.git_commit(), "rlhf.arms": json.dumps(arms),
             "rlhf.study_preset": preset, "rlhf.study_overrides": json.dumps(overrides)}
     run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset} study · {' vs '.join(arms)}")
-    tracking.log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
-    mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), tracking.CONFIG_ARTIFACT)
+    try:
+        tracking.log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
+        mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), tracking.CONFIG_ARTIFACT)
+    except BaseException:
+        mlflow_client.set_terminated(run.info.run_id, status="FAILED")
+        raise
     return run.info.run_id
 
 

@@ -17,6 +17,8 @@ FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.ju
 def test_an_arm_may_not_change_the_shared_chain():
     with pytest.raises(ConfigError, match="study arm 'bigger-rm' sets 'reward.lr': an arm may set only keys under ppo"):
         load_config("tiny", ["study.arms={bigger-rm: {reward.lr: 1.0e-4}}"])
+    with pytest.raises(ConfigError, match="study arm name 'lr×15': letters, digits"):
+        load_config("tiny", ["study.arms={lr×15: {ppo.actor_lr: 1.0e-4}}"])
 
 
 def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, capsys):
