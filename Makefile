@@ -4,6 +4,8 @@ VENV   := .venv
 PIP    := $(VENV)/bin/python -m pip
 STAMP  := $(VENV)/.installed
 PRESET ?= demo
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -22,8 +24,9 @@ test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -ra -m slow
 
 # A Prefect server, an MLflow server and `rlhf serve` on 127.0.0.1, in the background; `make down` stops them.
+# Other ports: make serve PREFECT_PORT=5602 MLFLOW_PORT=5603
 serve: $(STAMP)
-	$(VENV)/bin/rlhf up --preset $(PRESET)
+	$(VENV)/bin/rlhf up --preset $(PRESET) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
 
 down: $(STAMP)
 	$(VENV)/bin/rlhf down

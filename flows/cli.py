@@ -11,6 +11,8 @@ import sys
 
 import yaml
 
+from flows import services
+
 
 def _env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -20,6 +22,12 @@ def _env_defaults() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    # Runs land where `rlhf up`'s UIs show them: its servers while they run (unless the shell names
+    # others), else Prefect's ephemeral API on the same database and MLflow's SQLite store.
+    os.environ.setdefault("PREFECT_HOME", services.prefect_home())
+    if "PREFECT_API_URL" not in os.environ and "MLFLOW_TRACKING_URI" not in os.environ:
+        os.environ.update(services.running_env())
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +89,81 @@ def _open_stores() -> None:
             mlflow_client.search_experiments(max_results=1)
 
 
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While the flow runs here: SIGINT/SIGTERM ask the running stage to stop at its next step
+    boundary (stages/interrupt.py); the previous handlers come back afterwards."""
+    import signal
+
+    from stages import interrupt
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    interrupt.install_handlers()
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+SUPERVISED = "RLHF_SUPERVISED"  # set in the child that `_supervise` runs a command in
+
+
+def _supervise(argv: list[str]) -> int:
+    """Run `rlhf <argv>` in a child process of its own session, and relay the user's signals to it.
+
+    Ctrl-C in a terminal signals the whole foreground process group: without this, Prefect's
+    temporary API server and a stage's ranks would die with the first one, and the flow could not
+    record where it stopped. Here only this process gets it; the first SIGINT/SIGTERM is passed to
+    the child alone, whose stage stops at its next step boundary; a second kills the child's
+    session at once. The child's output passes through; this process notes the pipeline run it
+    names, for the resume command."""
+    import re
+    import signal
+    import subprocess
+    import threading
+
+    env = {**os.environ, SUPERVISED: "1", "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=env, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    received: list[int] = []
+    seen = {"text": "", "run": None}
+    lock = threading.Lock()
+
+    def relay(source, target) -> None:
+        for chunk in iter(lambda: os.read(source.fileno(), 65536), b""):
+            target.buffer.write(chunk)
+            target.flush()
+            with lock:
+                seen["text"] = (seen["text"] + chunk.decode(errors="replace"))[-8192:]
+                found = re.findall(r"\bpipeline run ([0-9a-f]{32})\b", seen["text"])
+                seen["run"] = found[-1] if found else seen["run"]
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            os.kill(child.pid, signal.SIGINT)
+            return
+        resume = f"; continue it with: {services.command('rlhf')} run --resume {seen['run']}" if seen["run"] else ""
+        print(f"\nrlhf: second {signal.Signals(signum).name}: stopped at once{resume}", file=sys.stderr, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    readers = [threading.Thread(target=relay, args=pair, daemon=True)
+               for pair in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    try:
+        for reader in readers:
+            reader.start()
+        code = child.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 130 if len(received) > 1 else code
+
+
 def _check_runs_exist(args: argparse.Namespace) -> None:
     """--from-run and --resume name pipeline runs of the store: a wrong id is a one-line error
     before any stage starts."""
@@ -100,8 +183,6 @@ def _check_runs_exist(args: argparse.Namespace) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from flows import services
-
     try:
         state = services.up(args.preset, args.host, args.prefect_port, args.mlflow_port, args.artifacts, args.timeout)
     except services.ServicesError as err:
@@ -113,8 +194,8 @@ def _up(args: argparse.Namespace) -> int:
           f"Deployments   {state['urls']['serve']}   (rlhf serve --preset {state['preset']})\n"
           f"Logs          {services.state_dir()}/*.log\n\n"
           f"export PREFECT_API_URL={env['PREFECT_API_URL']} MLFLOW_TRACKING_URI={env['MLFLOW_TRACKING_URI']}\n"
-          f"prefect deployment run rlhf/full --watch\n"
-          f"rlhf down   # stops them")
+          f"{services.command('prefect')} deployment run rlhf/full --watch\n"
+          f"{services.command('rlhf')} down   # stops them")
     return 0
 
 
@@ -146,23 +227,28 @@ def _study(args: argparse.Namespace) -> int:
     args.preset = args.preset or "study"
     if not args.resume:
         load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    from prefect.exceptions import CancelledRun
+
     from data_contracts import ContractError
     from flows.study import study
     from stages import tracking
 
     _open_stores()
     try:
-        with _quiet_expected_errors((ContractError, tracking.TrackingUnavailable)):
+        with _quiet_expected_errors((ContractError, tracking.TrackingUnavailable)), _stop_on_signals():
             study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume)
+    except CancelledRun as err:
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 130
     except ContractError as err:
         print(f"rlhf: {err}\nThe gate's report is in MLflow run {err.report.run_id} under contracts/; continue "
-              f"the study with: rlhf study --resume <study run id> (printed above)", file=sys.stderr)
+              f"the study with: {services.command('rlhf')} study --resume <study run id> (printed above)", file=sys.stderr)
         return 2
     from stages.config import rlhf_home
 
     folder = rlhf_home() / "studies" / study_id
     print(f"\nStudy run {study_id} finished.\n\n{(folder / 'study.md').read_text()}\nFigure: {folder / 'study.png'} "
-          f"(and in MLflow run {study_id}, artifacts study/)\nContinue or repeat it: rlhf study --resume {study_id}")
+          f"(and in MLflow run {study_id}, artifacts study/)\nContinue or repeat it: {services.command('rlhf')} study --resume {study_id}")
     return 0
 
 
@@ -230,7 +316,28 @@ def _precision_line(cfg) -> str:
             f"on this machine ({precision.describe(device)})")
 
 
+def _die_with_the_supervisor() -> None:
+    """In the supervised child: if the supervisor dies (SIGKILL leaves it no word to say), take this
+    process's group with it (the Prefect API server and any ranks it started)."""
+    import signal
+    import threading
+    import time
+
+    supervisor = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            time.sleep(0.2)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-supervisor", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] in (["run"], ["study"]):
+        if os.environ.get(SUPERVISED) != "1":
+            return _supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)
+        _die_with_the_supervisor()
     _env_defaults()
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -302,8 +409,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             return _up(args)
         if args.command == "down":
-            from flows import services
-
             stopped = services.down()
             print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")
             return 0
@@ -338,12 +443,17 @@ def main(argv: list[str] | None = None) -> int:
 
         from data_contracts import ContractError
 
-        _open_stores()
-        _check_runs_exist(args)
+        from prefect.exceptions import CancelledRun
+
         try:
-            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)):
+            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)), _stop_on_signals():
+                _open_stores()
+                _check_runs_exist(args)
                 run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
                               resume=args.resume, force=args.force)
+        except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
+            print(f"rlhf: {err}", file=sys.stderr)
+            return 130
         except ContractError as err:
             print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
                   f"under contracts/.", file=sys.stderr)
@@ -354,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         from stages import runs
 
         print(f"\n{runs.ending(run_id)[0]}\n\nMLflow store: {tracking.tracking_uri()}\n"
-              f"Open it with: .venv/bin/mlflow ui --backend-store-uri {tracking.tracking_uri()}")
+              f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
         return 0
     except (ConfigError, DataError) as err:
         print(f"rlhf: {err}", file=sys.stderr)

@@ -14,10 +14,13 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
+from prefect.states import Cancelled
 
 from data_contracts import ContractError, check_handoff
+from flows import services
 from stages import registry, runs, tracking
 from stages.config import PipelineConfig, load_config, rlhf_home
+from stages.interrupt import StageInterrupted
 from stages.launch import StageLaunchError, execute
 
 # What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
@@ -212,6 +215,11 @@ def rlhf(
             else:
                 produced = run_stage(name, cfg, pipeline, inputs, force)
             inputs = {**inputs, **produced}
+    except StageInterrupted as err:  # stopped on request at a step boundary (stages/interrupt.py)
+        pipeline.finish("KILLED")
+        message = f"{err}. Resume with: {services.command('rlhf')} run --resume {pipeline.run_id}"
+        print(message)
+        return Cancelled(message=message)
     except BaseException as err:
         if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
             pipeline.finish("FAILED")

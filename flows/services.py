@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import shutil
 
 from stages.config import REPO_ROOT, rlhf_home
 
@@ -38,6 +39,22 @@ def state_dir() -> Path:
     return rlhf_home() / "services"
 
 
+def prefect_home() -> str:
+    """Where `rlhf up`'s Prefect server and `rlhf run`'s ephemeral API keep their database: the same
+    folder, so the UI shows the flow runs of both."""
+    return str(rlhf_home() / "prefect")
+
+
+def running_env() -> dict[str, str]:
+    """PREFECT_API_URL and MLFLOW_TRACKING_URI of the servers `rlhf up` started, if they still run."""
+    if not _state_file().exists():
+        return {}
+    state = json.loads(_state_file().read_text())
+    if "env" not in state or not all(_running(record) for record in state["processes"].values()):
+        return {}
+    return state["env"] if _answers(f"{state['env']['PREFECT_API_URL']}/health") else {}
+
+
 def _state_file() -> Path:
     return state_dir() / "state.json"
 
@@ -45,6 +62,19 @@ def _state_file() -> Path:
 def _bin(name: str) -> str:
     """A console script of this environment (beside the running interpreter)."""
     return str(Path(sys.executable).with_name(name))
+
+
+def command(name: str) -> str:
+    """How a printed next step calls a console script of this environment so that it works when
+    pasted: bare when the shell finds this one on PATH, else its path (relative below the current
+    folder: `.venv/bin/rlhf`)."""
+    path = Path(_bin(name))
+    if shutil.which(name) == str(path):
+        return name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -70,11 +100,14 @@ def services(preset: str, host: str, prefect_port: int, mlflow_port: int, artifa
     home = rlhf_home()
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # where a client connects
     prefect_url, mlflow_url = f"http://{client_host}:{prefect_port}", f"http://{client_host}:{mlflow_port}"
-    base = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(home / "prefect"))}
+    base = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", prefect_home())}
     clients = {**base, "PREFECT_API_URL": f"{prefect_url}/api", "MLFLOW_TRACKING_URI": mlflow_url}
+    # The UI's browser code calls the API at PREFECT_UI_API_URL, which Prefect otherwise derives
+    # from its default port 4200: set it to the port this server listens on.
+    prefect_env = {**base, "PREFECT_UI_API_URL": f"{prefect_url}/api"}
     servers = [
         Service("prefect", [_bin("prefect"), "server", "start", "--host", host, "--port", str(prefect_port)],
-                prefect_url, f"{prefect_url}/api/health", base),
+                prefect_url, f"{prefect_url}/api/health", prefect_env),
         # The same SQLite store as `rlhf run` without a server, so both kinds of runs show up in
         # one UI; artifacts are proxied by the server to a folder or an S3 bucket (boto3, with
         # MLFLOW_S3_ENDPOINT_URL and the AWS_* variables of this environment).

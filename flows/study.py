@@ -14,7 +14,10 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import CancelledRun
+from prefect.states import Cancelled
 
+from flows import services
 from flows.rlhf import rlhf
 from stages import study as studies
 from stages import tracking
@@ -61,6 +64,11 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
         for name, arm in arms.items():
             run(name, studies.ARM_STAGES, arm, chain)
         text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
+    except CancelledRun as err:  # an arm stopped on request
+        tracking.client().set_terminated(study_id, status="KILLED")
+        message = f"{err}. Resume the study with: {services.command('rlhf')} study --resume {study_id}"
+        print(message)
+        return Cancelled(message=message)
     except BaseException:
         tracking.client().set_terminated(study_id, status="FAILED")  # `--resume` it: finished arms are kept
         raise

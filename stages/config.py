@@ -12,6 +12,7 @@ generation sections name where the value comes from: the paper ("paper §5.1"), 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -457,15 +458,18 @@ class PPOConfig(_TrainingSection):
                                                   "most 10 iterations.")
     on_collapse: Literal["stop", "rollback", "warn"] = Field(
         "rollback",
-        description="The live collapse guard (ours; the paper checks the same indicators after the fact): at each "
+        description="The live collapse guard: at each "
                     "held-out evaluation the policy contract's bands (contracts.policy: KL, length and perplexity "
                     "ratios to SFT, EOS rate) are checked. On a breach: stop (end the stage), rollback (restore the "
                     "last checkpoint that passed, multiply the actor lr by rollback_lr_factor and go on; at most "
                     "max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
-                    "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke.")
-    max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback).")
+                    "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke. ours: the paper "
+                    "reads the same indicators (§5.1, Figs. 4 and 9) after the fact; rollback keeps a run going.")
+    max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback). "
+                                                    "ours: two halvings, then a breach is taken as the setting's own.")
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,
-                                      description="The actor lr is multiplied by this at each rollback.")
+                                      description="The actor lr is multiplied by this at each rollback. ours: a "
+                                                  "smaller step from the same weights.")
 
     @model_validator(mode="after")
     def _kl_estimator_fits_its_place(self) -> PPOConfig:
@@ -776,8 +780,10 @@ def _check_keys(model: type[BaseModel], values: dict, where: str, prefix: str = 
         if field is None and path in RENAMED:
             raise ConfigError(f"{where}: '{path}' was renamed to '{RENAMED[path]}' (see rlhf config --explain)")
         if field is None:
+            close = difflib.get_close_matches(key, _known_keys(model), 1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(
-                f"{where}: unknown key '{path}'; known keys here: {', '.join(_known_keys(model))}"
+                f"{where}: unknown key '{path}'{hint}; known keys here: {', '.join(_known_keys(model))}"
             )
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):

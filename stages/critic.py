@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, tracking
+from stages import interrupt, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
@@ -72,6 +72,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     progress = tqdm(total=max_rollouts, desc="critic", disable=not dist.is_main, dynamic_ncols=True)
     started, converged = time.perf_counter(), False
     while trainer.iteration < max_rollouts and not converged:
+        interrupt.stop_point(dist, "critic", f"after rollout {trainer.iteration} of {max_rollouts} (critic "
+                                             f"pre-training starts over when resumed)")
         # An iteration skipped for NaN/Inf scores (stages/guards.py) trained nothing: no losses.
         metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **trainer.step()}
         keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages import registry
+from stages.interrupt import RanksRunning, StageInterrupted
 from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
 
 class StageLaunchError(RuntimeError):
@@ -127,6 +128,9 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
                         "precision.hardware": precision.describe(device)})
     try:
         outputs = run_stage(stage, cfg, tracker, inputs)
+    except StageInterrupted:
+        tracker.finish("KILLED")
+        raise
     except BaseException as err:
         if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
             tracker.finish("FAILED")
@@ -174,11 +178,15 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     threads = launch.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log_path = tracker.workdir / "ranks.log"
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, RanksRunning(tracker.workdir) as ranks:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not out_path.exists():
         errors = [f"rank {p.stem.removeprefix('error-rank')}: {p.read_text()}"
                   for p in sorted(tracker.workdir.glob("error-rank*.txt"))]
+        stopped = [p.read_text().split("\n", 1)[1] for p in sorted(tracker.workdir.glob("error-rank*.txt"))
+                   if p.read_text().startswith(f"{StageInterrupted.__name__}\n")]
+        if ranks.stopped() and stopped:
+            raise StageInterrupted(stage, stopped[0].removeprefix(f"stage {stage} stopped on request "))
         detail = "\n".join(errors) or "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise StageLaunchError(f"stage '{stage}' failed on {launch.world_size} ranks (exit {proc.returncode}); "
                                f"log: {log_path}\n{detail}")
@@ -220,6 +228,9 @@ def _rank_main(spec_path: str) -> None:
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     try:
         outputs = registry.get(spec["stage"]).load().run(cfg, tracker, spec["inputs"], dist)
+    except StageInterrupted as err:
+        Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}\n{err}")
+        raise
     except Exception as err:
         # The first line of the stage's error, per rank, for the launcher's message.
         Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, sources, tracking
+from stages import interrupt, precision, sources, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -138,6 +138,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         for batch_start in range(0, steps_per_epoch * global_batch, global_batch):
             if step >= total_steps:
                 break
+            interrupt.stop_point(dist, "sft", f"after step {step} of {total_steps} (SFT keeps no checkpoint: it "
+                                              f"starts over when resumed)")
             mine = order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
             step_started = time.perf_counter()
             micro_batches = [[train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]

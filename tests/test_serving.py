@@ -207,3 +207,32 @@ def test_down_stops_every_process_it_started(stack):
         port = int(re.search(r":(\d+)", url.removeprefix("http://")).group(1))
         with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
             socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_the_prefect_ui_calls_the_api_on_its_own_port(stack):
+    """`rlhf up --prefect-port N`: the UI's settings point its browser code at port N, not 4200."""
+    import urllib.request
+
+    prefect_url = stack.state["urls"]["prefect"]
+    with urllib.request.urlopen(f"{prefect_url}/ui-settings", timeout=30) as response:
+        settings = json.loads(response.read())
+    assert settings["api_url"] == f"{prefect_url}/api"
+
+
+def test_rlhf_run_reports_to_the_servers_rlhf_up_started(stack):
+    """A user's shell without the exports: `rlhf run` still lands its flow run in the Prefect
+    server's database, where the UI shows it."""
+    import urllib.request
+
+    def flow_runs() -> set[str]:
+        request = urllib.request.Request(f"{stack.state['env']['PREFECT_API_URL']}/flow_runs/filter",
+                                         data=json.dumps({"limit": 200}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return {run["id"] for run in json.loads(response.read())}
+
+    before = flow_runs()
+    env = {key: value for key, value in stack.env.items() if not key.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
+    out = _command("rlhf", "run", "--preset", "tiny", "--stages", "data", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(flow_runs() - before) == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import precision, sources, tracking
+from stages import interrupt, precision, sources, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.evaluate import ceval, report
@@ -103,10 +103,10 @@ def probe_frame(answers: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
 
 
 def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
-                     device: str) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
+                     device: str, stop_point=lambda where: None) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
     """C-Eval answers of each model, and (answering) its responses to the eval prompts; each
     model is loaded once for both. Returns (answers, responses by model and `<model>_ended` flags,
-    C-Eval seconds)."""
+    C-Eval seconds). `stop_point(where)` is called between the parts (a stop request ends there)."""
     ev = cfg.eval
     val, dev = ceval.load(cfg.data, ev.ceval.subjects, ev.ceval.max_questions_per_subject,
                           with_dev=max(ev.ceval.shots, default=0) > 0)
@@ -114,6 +114,7 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
     for name, model_dir in models.items():
         model, tokenizer = load_lm(model_dir, cfg.model, device)
         for shots in ev.ceval.shots:
+            stop_point(f"before C-Eval {shots}-shot of {name}")
             t = time.perf_counter()
             answers.append(ceval.score(model, tokenizer, val, dev, shots, ev.ceval.batch_size, ev.ceval.max_seq_len)
                            .assign(model=name, shots=shots))
@@ -123,16 +124,19 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
                   f"({len(answers[-1])} questions{f', {short} with fewer than {shots} exemplars' if short else ''}, "
                   f"{time.perf_counter() - t:.0f} s)")
         if answering:
+            stop_point(f"before {name} answered the eval prompts")
             t = time.perf_counter()
             responses[name], responses[f"{name}_ended"] = respond(model, tokenizer, rows, cfg, device)
             print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
     return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds
 
 
-def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str) -> pd.DataFrame:
+def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
+              stop_point=lambda where: None) -> pd.DataFrame:
     """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair."""
     judged = []
     for spec in cfg.eval.judges:
+        stop_point(f"before judge {spec.name}")
         t = time.perf_counter()
         judge = make_judge(spec, cfg, inputs, device)
         frame = judge_pairs(judge, pairs[: spec.max_prompts] if spec.max_prompts else pairs)
@@ -162,13 +166,16 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
                         "eval.reward_model": inputs.get("reward_model", "none")})
 
     rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: ev.heldout_prompts]
-    answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device)
+    def stop_point(where: str) -> None:  # the evaluation keeps nothing partial: a resumed run starts it over
+        interrupt.stop_point(dist, "eval", where)
+
+    answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device, stop_point)
     judged = pd.DataFrame()
     if judging:
         pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended)
                  for r, p, s, p_ended, s_ended in zip(rows, responses["policy"], responses["sft"],
                                                       responses["policy_ended"], responses["sft_ended"])]
-        judged = judge_all(cfg, inputs, pairs, dist.device)
+        judged = judge_all(cfg, inputs, pairs, dist.device, stop_point)
 
     # Metrics and the champion decision.
     metrics: dict[str, float] = {}

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, sources, stats, tracking
+from stages import interrupt, precision, sources, stats, tracking
 from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
@@ -199,6 +199,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                     disable=not dist.is_main, dynamic_ncols=True)
     started = time.perf_counter()
     while trainer.iteration < ppo.iterations and not guard.stopped:
+        interrupt.stop_point(dist, "ppo", f"after iteration {trainer.iteration} of {ppo.iterations}",
+                             save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints)}")
         metrics = trainer.step()
         it = trainer.iteration
         if it % ppo.eval_every == 0 or it == ppo.iterations:

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import precision, sources, stats, tracking
+from stages import interrupt, precision, sources, stats, tracking
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -172,6 +172,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     progress = tqdm(total=total_steps, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
     started = time.perf_counter()
     for step, indices in enumerate(itertools.islice(schedule, total_steps), start=1):
+        interrupt.stop_point(dist, "reward", f"after step {step - 1} of {total_steps} (the reward stage keeps no "
+                                             f"checkpoint: it starts over when resumed)")
         step_started = time.perf_counter()
         batch = pair_batch([train_set[i] for i in indices], pad_id, dist.device)
         loss, r_chosen, r_rejected = forward_pairs(engine, batch, len(indices), rm.beta_rm)
