@@ -155,7 +155,7 @@ def bench_rm(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) ->
     for mode, engine in engines.items():
         model = trained_model(engine).float()
         scores[mode] = score_heldout(model, heldout, make_sampler(rm, heldout, dist), tokenizer.pad_token_id,
-                                     rm.beta_rm, dist).metrics()
+                                     rm.beta_rm, dist).metrics(cfg.statistics.ci_level)
     compare("RM", {mode: m["eval/loss"] for mode, m in scores.items()}, tolerance,
             f" ({len(heldout)} held-out pairs; accuracy fp32 {scores['fp32']['eval/accuracy']:.3f}, "
             f"bf16 {scores['bf16']['eval/accuracy']:.3f})")

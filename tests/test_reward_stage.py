@@ -83,7 +83,7 @@ def test_registered_model_loads_back_with_its_score_statistics(reward_run):
     heldout = encode_pairs(tokenizer, rows, cfg.reward.max_seq_len, cfg.reward.max_response_len)
     dist = Dist()
     metrics = score_heldout(model, heldout, make_sampler(cfg.reward, heldout, dist), tokenizer.pad_token_id,
-                            cfg.reward.beta_rm, dist).metrics()
+                            cfg.reward.beta_rm, dist).metrics(cfg.statistics.ci_level)
     eval_metrics = stage_run(reward_run, "reward").data.metrics
     assert model.score_mean == pytest.approx(metrics["eval/score_mean"], abs=1e-4) == eval_metrics["eval/score_mean"]
     assert model.score_std == pytest.approx(metrics["eval/score_std"], abs=1e-4) == eval_metrics["eval/score_std"]
