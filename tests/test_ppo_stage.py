@@ -5,6 +5,7 @@ resuming: tests/test_faults.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -76,6 +77,16 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     verdict = next(line for line in lines if line.startswith("Verdict: the policy "))
     assert "reward_model judge on 8 held-out prompts" in verdict and "cannot separate" in text
     assert "Report: runs:/" in text
+
+
+def test_compare_lists_the_eval_stages_judges_with_their_intervals(full_run, tmp_path):
+    """`rlhf compare`: the eval stage's headline patterns hold wildcards (a row per judge), each
+    net win printed with its confidence interval."""
+    from stages import runs
+
+    table = runs.compare(full_run, full_run, tmp_path / "compare.png")
+    number = r"[-+\d.e]+"
+    assert re.search(rf"\neval +eval/judge/reward_model/net_win +{number} \[{number}, {number}\] +{number} \[", table), table
 
 
 def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):

@@ -160,7 +160,9 @@ def test_runs_lists_stages_status_and_headline_metrics(stack, runs):
     blocks = {block.split()[0]: block for block in out.stdout.split("\n\n")}
     assert {runs["full"], runs["skipped"], runs["vanilla"]} <= set(blocks)
     assert re.search(r"\n  ppo +reused +" + tracking.outputs_of(runs["full"])["ppo_run"], blocks[runs["skipped"]])
-    assert re.search(r"\n  ppo +deployed .*eval/score [-\d.]+ → [-\d.]+ +eval/kl ", blocks[runs["full"]])
+    number = r"-?[\d.]+(?:e-?\d+)?"  # the paired score delta comes with its interval
+    assert re.search(rf"\n  ppo +deployed .*eval/score {number} → {number} +eval/score_delta {number} "
+                     rf"\[{number}, {number}\] +eval/kl ", blocks[runs["full"]]), blocks[runs["full"]]
     assert re.search(r"\n  reward +FINISHED .*eval/accuracy ", blocks[runs["full"]])
 
 
@@ -172,9 +174,8 @@ def test_compare_prints_the_headline_table_and_writes_the_curves(stack, runs, tm
     assert re.search(r"param +ppo\.switches\.score_mode +normalise +none", out.stdout)
     for metric in ("eval/score", "eval/kl", "eval/response_length", "eval/eos_rate", "eval/perplexity"):
         assert re.search(rf"\n\w+ +{re.escape(metric)} +-?[\d.]+ +-?[\d.]+", out.stdout), metric
-    number = r"[-+\d.e]+"  # a judge's net win and the PPO score delta come with their intervals
-    for metric in ("eval/judge/reward_model/net_win", "eval/score_delta"):
-        assert re.search(rf"\n\w+ +{re.escape(metric)} +{number} \[{number}, {number}\] +{number} \[", out.stdout), metric
+    number = r"[-+\d.e]+"  # the PPO score delta comes with its interval (the eval stage's: test_ppo_stage)
+    assert re.search(rf"\nppo +eval/score_delta +{number} \[{number}, {number}\] +{number} \[", out.stdout), out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -194,19 +195,6 @@ def test_servers_listen_on_loopback_only(stack):
     ports = {int(url.rsplit(":", 1)[1].split("/")[0]) for url in stack.state["urls"].values()}
     assert ports <= {port for _, port in listening}  # the Prefect and MLflow servers' ports
     assert {ip for ip, _ in listening} <= {"127.0.0.1", "::1"}, listening
-
-
-def test_down_stops_every_process_it_started(stack):
-    processes = [psutil.Process(record["pid"]) for record in stack.state["processes"].values()]
-    descendants = [child for proc in processes for child in proc.children(recursive=True)]
-    out = _command("rlhf", "down", env=stack.env)
-    assert out.returncode == 0 and out.stdout.strip() == "stopped prefect, mlflow, serve", out.stdout + out.stderr
-    assert not any(proc.is_running() for proc in processes + descendants)
-    assert not (stack.home / "services" / "state.json").exists()
-    for url in stack.state["urls"].values():
-        port = int(re.search(r":(\d+)", url.removeprefix("http://")).group(1))
-        with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
-            socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
 def test_the_prefect_ui_calls_the_api_on_its_own_port(stack):
@@ -236,3 +224,16 @@ def test_rlhf_run_reports_to_the_servers_rlhf_up_started(stack):
     out = _command("rlhf", "run", "--preset", "tiny", "--stages", "data", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert len(flow_runs() - before) == 1
+
+
+def test_down_stops_every_process_it_started(stack):
+    processes = [psutil.Process(record["pid"]) for record in stack.state["processes"].values()]
+    descendants = [child for proc in processes for child in proc.children(recursive=True)]
+    out = _command("rlhf", "down", env=stack.env)
+    assert out.returncode == 0 and out.stdout.strip() == "stopped prefect, mlflow, serve", out.stdout + out.stderr
+    assert not any(proc.is_running() for proc in processes + descendants)
+    assert not (stack.home / "services" / "state.json").exists()
+    for url in stack.state["urls"].values():
+        port = int(re.search(r":(\d+)", url.removeprefix("http://")).group(1))
+        with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
+            socket.create_connection(("127.0.0.1", port), timeout=5)
