@@ -20,7 +20,7 @@ from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
 from stages.ppo.guard import CollapseGuard
 from stages.ppo.experience import reward_model_scores, rule_scores
-from stages.ppo.rewards import RunningMoments
+from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, warmup_steps
 from stages.reward.model import load_reward_model
 from stages.training import masked_mean, trained_model
@@ -56,10 +56,29 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
     sources.align_pad_token(actor, tokenizer)
     reference = sources.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
     reward_model = load_reward_model(rm_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
-    critic = (load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
-              if needs_critic(cfg.ppo) else None)
+    critic = None
+    if needs_critic(cfg.ppo):
+        critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
+        if "critic_model_dir" not in inputs:  # a pre-trained critic is on this scale already
+            values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
     score_fn = reward_model_scores(reward_model) if cfg.ppo.reward == "rm" else rule_scores(tokenizer, cfg.ppo.reward)
     return tokenizer, actor, reference, reward_model, critic, score_fn
+
+
+@torch.no_grad()
+def values_on_the_shaped_scale(critic, moments: RunningMoments, mode: ScoreMode) -> None:
+    """The critic starts as the reward model (§5.3.3), but it predicts rewards that carry the RM's
+    scores reparameterised (§5.3.1): fold that affine map, on the statistics PPO starts from, into
+    its scalar head, so its first values are on the rewards' scale. Left as the RM's, the values
+    sit μ/σ off their targets, and with Adam's per-parameter steps of about lr the head's bias
+    cannot move that far: the rest of the network has to carry the offset."""
+    if mode == "none":
+        return
+    head = critic.score_head
+    head.weight.div_(moments.std)
+    if mode == "normalise":
+        head.bias.sub_(moments.mean)
+    head.bias.div_(moments.std)
 
 
 def initial_moments(reward_model, critic=None) -> RunningMoments:
