@@ -208,5 +208,6 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
                      f"expected to improve the model measurably (use more eval.heldout_prompts and PPO iterations).")
     outputs = json.loads(tags.get(tracking.OUTPUTS_TAG, "{}"))
     if "eval_report" in outputs:
-        lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.md)")
+        lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.html "
+                     f"shows it with its charts)")
     return lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pandas as pd
 import pytest
@@ -96,6 +97,13 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
     text = (report / "report.md").read_text()
     assert "| harmless | openai |" in text and "| harmless | reward_model |" in text and "delta" in text
     assert "net_win 95% CI" in text and "score_delta 95% CI" in text
+    # report.html: the same report with its charts inline, as MLflow's artifact view renders it.
+    import base64
+
+    page = (report / "report.html").read_text()
+    inlined = re.findall(r'<img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert [base64.b64decode(data) for data in inlined] == [(report / png).read_bytes() for png in ("judges.png", "ceval.png")]
+    assert page.count("<table>") == text.count("\n|---") and "net_win 95% CI" in page
     judged = pd.read_json(report / "judgements.jsonl", lines=True)
     assert set(judged["verdict"]) <= {"win", "tie", "lose", "invalid"} and len(judged) == 8 + 8 + 2
     summary = tracking.download(outputs["eval_summary"]).read_text()

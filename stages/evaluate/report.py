@@ -174,6 +174,25 @@ def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None,
     return "\n".join(lines)
 
 
+def html(markdown_text: str, folder: Path) -> str:
+    """The report as one self-contained page (report.html): MLflow's artifact view renders a
+    markdown file's tables but no image with a relative path, and renders HTML with the charts
+    inlined as data URIs."""
+    import base64
+    import re
+
+    import markdown as markdown_lib
+
+    def inline(match: re.Match) -> str:
+        data = base64.b64encode((folder / match.group(2)).read_bytes()).decode()
+        return f"![{match.group(1)}](data:image/png;base64,{data})"
+
+    body = markdown_lib.markdown(re.sub(r"!\[([^\]]*)\]\(([\w.-]+\.png)\)", inline, markdown_text), extensions=["tables"])
+    style = ("body{font-family:sans-serif;max-width:70em;margin:1em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left}img{max-width:100%}")
+    return f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><style>{style}</style></head><body>\n{body}\n</body></html>\n"
+
+
 def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, shortfall: pd.DataFrame | None,
             judges: pd.DataFrame | None, champion: str) -> str:
     """The short version the flow publishes as a Prefect artifact, linking to the full report."""

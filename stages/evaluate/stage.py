@@ -220,9 +220,11 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
             out / "responses.jsonl", orient="records", lines=True, force_ascii=False)
         report.judge_chart(judge_table, out / "judges.png")
     model_uris = {"sft": inputs["sft_model"], **({"policy": inputs["policy_model"]} if "policy" in models else {})}
-    (out / "report.md").write_text(report.markdown(
+    markdown = report.markdown(
         run_id=tracker.run_id, models=model_uris, ceval=ceval_table, shortfall=shortfall, judges=judge_table,
-        champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0)))
+        champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0))
+    (out / "report.md").write_text(markdown)
+    (out / "report.html").write_text(report.html(markdown, out))
     report_uri = tracker.artifact_location("report/report.md")
     (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
                                                    shortfall=shortfall, judges=judge_table, champion=champion))
