@@ -195,7 +195,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     import torch
 
     from stages import sources
-    from stages.data import SPLITS, load_pairs, make_splits
+    from stages.data import load_pairs, make_splits, split_texts
     from stages.ppo.stage import encode_prompts
     from stages.ppo.trainer import shuffled_order
     from stages.reward.model import reward_model_from_lm, save_reward_model
@@ -203,8 +203,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     cfg = ours_config(args)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)
     reward_dir = tmp / "reward"
     torch.manual_seed(cfg.ppo.seed)  # one seeded scalar head for both sides' reward model and critic

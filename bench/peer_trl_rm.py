@@ -200,7 +200,7 @@ def prepare(args, tmp: Path) -> dict:
 
     from stages import sources
     from stages.config import load_config
-    from stages.data import SPLITS, load_pairs, make_splits
+    from stages.data import load_pairs, make_splits, split_texts
     from stages.launch import Dist
     from stages.reward.model import reward_model_from_lm, save_reward_model
     from stages.reward.stage import encode_pairs, make_sampler
@@ -209,8 +209,7 @@ def prepare(args, tmp: Path) -> dict:
                                     *args.overrides])
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     rows = splits["rm_train"][: args.pairs]
     rm = cfg.reward
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)

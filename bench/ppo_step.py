@@ -93,7 +93,7 @@ def main() -> None:
 
     from stages import precision, sources
     from stages.config import load_config
-    from stages.data import SPLITS, load_pairs, make_splits
+    from stages.data import load_pairs, make_splits, split_texts
     from stages.reward.model import reward_model_from_lm, save_reward_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,8 +103,7 @@ def main() -> None:
     cfg.ppo.minibatch_size = min(cfg.ppo.minibatch_size, cfg.ppo.rollout_batch_size)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)  # tiny: its BPE tokenizer learns on these
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))  # tiny: its BPE tokenizer learns on these
     ppo = cfg.ppo
     print(f"preset {cfg.preset}, model {cfg.model.name_or_path} (precision {cfg.model.precision} → "
           f"{precision.resolve(cfg.model.precision, device)}; {precision.describe(device)}) on {device}; "

@@ -36,14 +36,13 @@ def load_inputs(preset: str, threads: int):
 
     from stages import sources
     from stages.config import load_config
-    from stages.data import SPLITS, load_pairs, make_splits
+    from stages.data import load_pairs, make_splits, split_texts
 
     torch.set_num_threads(threads)
     cfg = load_config(preset, ["model.precision=fp32"])
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     tokenizer = sources.load_tokenizer(model_dir, cfg.model)
     return cfg, splits, model_dir, tokenizer
 

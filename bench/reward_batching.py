@@ -87,14 +87,13 @@ def main() -> None:
 
     from stages import precision, sources
     from stages.config import load_config
-    from stages.data import SPLITS, load_pairs, make_splits
+    from stages.data import load_pairs, make_splits, split_texts
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     cfg = load_config(args.preset, args.overrides)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    corpus = [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus)
+    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     rows = splits["rm_train"][: args.pairs]
     rm = cfg.reward
     print(f"preset {cfg.preset}, model {cfg.model.name_or_path} (precision {precision.resolve(cfg.model.precision, 'cpu')}, "

@@ -227,9 +227,10 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
 
 
 def corpus_texts(splits_dir: Path) -> list[str]:
+    """All dialogue text of the splits written to `splits_dir`."""
+    return split_texts({name: read_jsonl(splits_dir / f"{name}.jsonl") for name in SPLITS})
+
+
+def split_texts(splits: dict[str, list[dict]]) -> list[str]:
     """All dialogue text of the splits (what the `bpe` tokenizer of the tiny preset learns on)."""
-    texts = []
-    for name in SPLITS:
-        for row in read_jsonl(splits_dir / f"{name}.jsonl"):
-            texts += [row["prompt"], row["chosen"], row["rejected"]]
-    return texts
+    return [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
