@@ -40,7 +40,8 @@ def start(cfg: PipelineConfig, preset: str, overrides: list[str], arms: dict[str
     tags = {tracking.PIPELINE_TAG: "study", "rlhf.preset": cfg.preset, "rlhf.config_hash": cfg.config_hash(),
             "rlhf.git_commit": tracking.git_commit(), "rlhf.arms": json.dumps(arms),
             "rlhf.study_preset": preset, "rlhf.study_overrides": json.dumps(overrides)}
-    run = mlflow_client.create_run(exp, tags=tags, run_name=f"{cfg.preset} study · {' vs '.join(arms)}")
+    run = mlflow_client.create_run(exp, tags=tags,
+                                   run_name=f"{tracking.study_title(cfg.preset)} · {' vs '.join(arms)}")
     try:
         tracking.log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), tracking.CONFIG_ARTIFACT)
@@ -181,7 +182,7 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
     results = collect(study_id, arms, judge)
     frame = table(results, judge)
     out.mkdir(parents=True, exist_ok=True)
-    figure(results, out / "study.png", f"{cfg.preset} study")
+    figure(results, out / "study.png", tracking.study_title(cfg.preset))
     chain = arm_runs(study_id).get(CHAIN)
     text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None)
     (out / "study.md").write_text(text)

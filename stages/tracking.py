@@ -366,6 +366,11 @@ def ppo_arm(cfg: PipelineConfig) -> str:
     return cfg.ppo.preset + ("" if estimator == "gae" else f", {estimator}")
 
 
+def study_title(preset: str) -> str:
+    """"tiny study"; the study preset's own study is just "study"."""
+    return "study" if preset == "study" else f"{preset} study"
+
+
 def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> str:
     """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
     `demo · ppo vanilla rerun of 4ac5fade` (or `demo · ppo-max rerun of …`) for PPO alone on an
@@ -410,7 +415,7 @@ class PipelineRun:
         title = run_title(cfg, stages, from_run)
         if study:
             tags.update({"mlflow.parentRunId": study, STUDY_TAG: study, ARM_TAG: arm or ""})
-            title = f"{cfg.preset} study · {arm}"
+            title = f"{study_title(cfg.preset)} · {arm}"
         run = mlflow_client.create_run(exp, tags=tags, run_name=title)
         log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)

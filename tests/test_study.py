@@ -54,3 +54,9 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert main(["study", "--resume", study_id]) == 0
     again = studies.arm_runs(study_id)
     assert {arm: run.info.run_id for arm, run in again.items()} == {arm: run.info.run_id for arm, run in runs.items()}
+
+
+def test_the_study_presets_runs_are_not_named_study_study():
+    from stages import tracking
+
+    assert (tracking.study_title("tiny"), tracking.study_title("study")) == ("tiny study", "study")
