@@ -20,6 +20,7 @@ import pandas as pd
 
 from stages import tracking
 from stages.config import PipelineConfig
+from stages.evaluate import report
 
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 CHAIN_STAGES = ["data", "sft", "reward", "critic"]
@@ -186,6 +187,7 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
     chain = arm_runs(study_id).get(CHAIN)
     text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None)
     (out / "study.md").write_text(text)
+    (out / "study.html").write_text(report.html(text, out))  # MLflow's artifact view shows its figure
     frame.to_csv(out / "study.csv", index=False)
     mlflow_client.log_artifacts(study_id, str(out), "study")
     from mlflow.entities import Metric

@@ -48,6 +48,7 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert (folder / "study.png").read_bytes()[:4] == b"\x89PNG"
     table = (folder / "study.md").read_text()
     assert "| ppo-max | 2 |" in table and "| vanilla | 2 |" in table and " [" in table and "collapse guard" in table
+    assert 'src="data:image/png;base64,' in (folder / "study.html").read_text()  # the figure inline
     assert "Figure:" in out and "| ppo-max |" in out
 
     # Resumed, a finished study runs nothing again.
