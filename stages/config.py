@@ -109,8 +109,19 @@ class DataConfig(_Section):
 
     pairs: str = Field(
         "hh-rlhf/harmless-base-test.jsonl.gz",
-        description="HH-style pairs: a path (absolute, or relative to data_dir) to jsonl / jsonl.gz / parquet / "
-                    "csv, or a hub id such as `Anthropic/hh-rlhf`.")
+        description="Preference pairs: a path (absolute, or relative to data_dir) to jsonl / jsonl.gz / parquet / "
+                    "csv, or a hub id such as `Anthropic/hh-rlhf`; in any format of `format`.")
+    format: Literal["auto", "hh", "standard", "conversational", "implicit"] = Field(
+        "auto",
+        description="Row format (TRL's preference formats): `hh` chosen/rejected HH dialogue strings "
+                    "(\\n\\nHuman: … \\n\\nAssistant: …; the prompt is the shared part); `standard` prompt, "
+                    "chosen, rejected strings (one user turn, or a prompt in the HH form); `conversational` prompt a list of {role, content} "
+                    "messages, chosen/rejected lists of one assistant message; `implicit` chosen/rejected whole "
+                    "conversations (message lists) sharing every turn but the last, an assistant one. `auto`: per "
+                    "row, by the columns and their types (TRL's own rule).")
+    columns: dict[Literal["prompt", "chosen", "rejected"], str] = Field(
+        {}, description="The file's names for prompt/chosen/rejected, e.g. {prompt: question, chosen: good, "
+                        "rejected: bad} (OpenRLHF's input_key/chosen_key/rejected_key).")
     hub_data_dir: str | None = Field("harmless-base", description="Sub-folder of a hub dataset (e.g. harmless-base "
                                                                    "of Anthropic/hh-rlhf).")
     hub_split: str = Field("test", description="Split of a hub dataset.")

@@ -1,8 +1,11 @@
-"""HH-style preference data: dialogue parsing, prompt rendering and seeded, disjoint splits.
+"""Preference data: rows in TRL's formats (or HH dialogues) to pairs, prompt rendering, and
+seeded, disjoint splits.
 
-A pair is `{"chosen": dialogue, "rejected": dialogue}` where both dialogues share every turn but
-the last Assistant turn. The prompt is everything up to and including the last "\\n\\nAssistant:";
-the response is what follows.
+Every format becomes the same pair: `messages` (the prompt's user/assistant turns), `chosen` and
+`rejected` (the two answers' text) and `prompt`, the prompt's turns in the HH form ending with an
+open "\\n\\nAssistant:" (the key that keeps a prompt in one split). In an HH row both dialogues
+share every turn but the last Assistant turn: the prompt is everything up to and including the
+last "\\n\\nAssistant:", the answer what follows.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import random
 import re
 from pathlib import Path
 
-from stages.config import ConfigError, PipelineConfig
+from stages.config import ConfigError, DataConfig, PipelineConfig
 from stages.sources import DataError, read_records
 
 HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
@@ -46,32 +49,113 @@ def prompt_messages(prompt: str) -> list[dict]:
     return messages
 
 
-def parse_pair(record: dict, source: str) -> tuple[dict, list[str]]:
-    """One raw row → a pair record and the row rules it breaks (empty list when clean)."""
-    row = record.get("_row")
-    for column in ("chosen", "rejected"):
+def dialogue_text(messages: list[dict]) -> str:
+    """Chat turns in the HH form, ending with an open Assistant turn."""
+    return "".join(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages) + ASSISTANT
+
+
+FORMAT_NAMES = {"hh": "an HH dialogue", "standard": "a standard preference row (prompt, chosen, rejected strings)",
+                "conversational": "a conversational preference row", "implicit": "an implicit-prompt conversation pair"}
+
+
+def row_format(record: dict) -> str:
+    """TRL's rule: a `prompt` column makes the prompt explicit (messages: conversational), else the
+    answers carry it (messages: implicit; strings: HH dialogues)."""
+    if "prompt" in record:
+        return "standard" if isinstance(record["prompt"], str) else "conversational"
+    return "hh" if isinstance(record.get("chosen"), str) else "implicit"
+
+
+def _text(record: dict, column: str, source: str, row) -> str:
+    value = record[column]
+    if not isinstance(value, str):
+        raise DataError(source, row, f"column '{column}' must be a string, got {type(value).__name__}")
+    try:  # a JSON escape can make a lone surrogate, which no UTF-8 split file can hold
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataError(source, row, f"column '{column}' is not valid Unicode (a lone surrogate at {err.start})") from None
+    return value
+
+
+def _turns(record: dict, column: str, source: str, row) -> list[dict]:
+    """A column of {role, content} messages (a list; a parquet file gives an array)."""
+    value = record[column]
+    if isinstance(value, (str, dict)) or not hasattr(value, "__iter__"):
+        raise DataError(source, row, f"column '{column}' must be a list of {{role, content}} messages, "
+                                     f"got {type(value).__name__}")
+    turns = []
+    for k, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(source, row, f"column '{column}' message {k}: needs a string `content`")
+        if message.get("role") not in ("user", "assistant"):
+            raise DataError(source, row, f"column '{column}' message {k}: role {message.get('role')!r}; user and "
+                                         f"assistant turns only")
+        turns.append({"role": message["role"], "content": _text(message, "content", source, row).strip()})
+    return turns
+
+
+def _prompt_turns(turns: list[dict], what: str) -> list[dict]:
+    if not turns or turns[0]["role"] != "user" or turns[-1]["role"] != "user":
+        raise ValueError(f"{what} must start and end with a user turn")
+    return turns
+
+
+def _answer(turns: list[dict], what: str) -> str:
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise ValueError(f"{what} must be one assistant message")
+    return turns[0]["content"]
+
+
+def answers(record: dict, data: DataConfig, source: str) -> tuple[list[dict], str, list[dict], str]:
+    """(chosen's prompt turns, chosen answer, rejected's prompt turns, rejected answer) of one raw
+    row, whatever its format; a row that cannot be read is a DataError naming file, row and rule."""
+    row, columns = record.get("_row"), ", ".join(k for k in record if k != "_row")
+    record = {**record, **{ours: record[theirs] for ours, theirs in data.columns.items() if theirs in record}}
+    named = {ours: f"'{data.columns[ours]}' (data.columns.{ours})" if ours in data.columns else f"'{ours}'"
+             for ours in ("prompt", "chosen", "rejected")}
+    fmt = row_format(record) if data.format == "auto" else data.format
+    for column in ("prompt", "chosen", "rejected") if fmt in ("standard", "conversational") else ("chosen", "rejected"):
         if column not in record:
-            raise DataError(source, row, f"missing column '{column}' (columns: {', '.join(k for k in record if k != '_row')})")
-        if not isinstance(record[column], str):
-            raise DataError(source, row, f"column '{column}' must be a string, got {type(record[column]).__name__}")
-        try:  # a JSON escape can make a lone surrogate, which no UTF-8 split file can hold
-            record[column].encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise DataError(source, row, f"column '{column}' is not valid Unicode (a lone surrogate at {err.start})") from None
+            raise DataError(source, row, f"missing column {named[column]} for the {fmt} format (columns: {columns})")
     try:
-        prompt, chosen = split_dialogue(record["chosen"])
-        rejected_prompt, rejected = split_dialogue(record["rejected"])
-        messages = prompt_messages(prompt)
+        if fmt == "hh":
+            prompt, chosen = split_dialogue(_text(record, "chosen", source, row))
+            rejected_prompt, rejected = split_dialogue(_text(record, "rejected", source, row))
+            try:
+                rejected_turns = prompt_messages(rejected_prompt)
+            except ValueError:  # not the chosen's prompt, whatever it is: the "different prompts" rule
+                rejected_turns = [{"role": "user", "content": rejected_prompt}]
+            return prompt_messages(prompt), chosen, rejected_turns, rejected
+        if fmt == "standard":  # a prompt in the HH form is read as its turns
+            prompt = _text(record, "prompt", source, row)
+            turns = prompt_messages(prompt) if prompt.startswith(HUMAN) else [{"role": "user", "content": prompt.strip()}]
+            return (turns, _text(record, "chosen", source, row).strip(),
+                    turns, _text(record, "rejected", source, row).strip())
+        if fmt == "conversational":
+            turns = _prompt_turns(_turns(record, "prompt", source, row), "the prompt")
+            return (turns, _answer(_turns(record, "chosen", source, row), "chosen"),
+                    turns, _answer(_turns(record, "rejected", source, row), "rejected"))
+        chosen, rejected = _turns(record, "chosen", source, row), _turns(record, "rejected", source, row)
+        chosen_answer = _answer(chosen[-1:], "chosen's last turn")
+        rejected_answer = _answer(rejected[-1:], "rejected's last turn")
+        return (_prompt_turns(chosen[:-1], "chosen's turns before its answer"), chosen_answer,
+                _prompt_turns(rejected[:-1], "rejected's turns before its answer"), rejected_answer)
     except ValueError as err:
-        raise DataError(source, row, f"not an HH dialogue: {err}") from None
+        raise DataError(source, row, f"not {FORMAT_NAMES[fmt]}: {err}") from None
+
+
+def parse_pair(record: dict, data: DataConfig, source: str) -> tuple[dict, list[str]]:
+    """One raw row → a pair record and the row rules it breaks (empty list when clean)."""
+    messages, chosen, rejected_messages, rejected = answers(record, data, source)
     broken = []
-    if prompt != rejected_prompt:
+    if messages != rejected_messages:
         broken.append("chosen and rejected have different prompts")
     if not chosen or not rejected:
         broken.append("empty answer")
     elif chosen == rejected:
         broken.append("chosen equals rejected")
-    pair = {"row": row, "prompt": prompt, "messages": messages, "chosen": chosen, "rejected": rejected}
+    pair = {"row": record.get("_row"), "prompt": dialogue_text(messages), "messages": messages, "chosen": chosen,
+            "rejected": rejected}
     return pair, broken
 
 
@@ -84,7 +168,7 @@ def load_pairs(cfg: PipelineConfig, records: list[dict] | None = None, source: s
         raise DataError(source, None, "no rows")
     pairs, dropped = [], []
     for record in records:
-        pair, broken = parse_pair(record, source)
+        pair, broken = parse_pair(record, cfg.data, source)
         if broken and cfg.data.drop_invalid:
             dropped.append({"row": pair["row"], "rules": broken})
         else:
@@ -136,17 +220,16 @@ def splits_digest(splits: dict[str, list[dict]]) -> str:
 # Probe frames for the data contracts (data_contracts/): one row per source row, `row` = line number
 
 
-def raw_pairs_frame(records: list[dict]) -> "pd.DataFrame":
+def raw_pairs_frame(records: list[dict], data: DataConfig, source: str) -> "pd.DataFrame":
     """Every raw row, before anything is dropped: the prompt of each answer and the answers.
-    Call after `load_pairs` (which rejects rows that are not HH dialogues at all)."""
+    Call after `load_pairs` (which rejects rows that cannot be read as pairs at all)."""
     import pandas as pd
 
     rows = []
     for record in records:
-        prompt, chosen = split_dialogue(record["chosen"])
-        rejected_prompt, rejected = split_dialogue(record["rejected"])
-        rows.append({"row": record["_row"], "prompt": prompt, "rejected_prompt": rejected_prompt,
-                     "chosen": chosen, "rejected": rejected})
+        messages, chosen, rejected_messages, rejected = answers(record, data, source)
+        rows.append({"row": record["_row"], "prompt": dialogue_text(messages),
+                     "rejected_prompt": dialogue_text(rejected_messages), "chosen": chosen, "rejected": rejected})
     return pd.DataFrame(rows, columns=["row", "prompt", "rejected_prompt", "chosen", "rejected"])
 
 
@@ -167,8 +250,7 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     """The model's chat template where it has one, else the HH "Human:/Assistant:" form."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    turns = "".join(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages)
-    return turns + ASSISTANT
+    return dialogue_text(messages)
 
 
 def render_response(tokenizer, response: str) -> str:
@@ -222,7 +304,7 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     for name, rows in splits.items():
         tracker.log_input_rows(rows, name=name, source=source, digest=digest, context=name)
     return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source,
-            "data_run": tracker.run_id, "raw_pairs_probe": tracker.log_probe(raw_pairs_frame(records), "raw_pairs"),
+            "data_run": tracker.run_id, "raw_pairs_probe": tracker.log_probe(raw_pairs_frame(records, cfg.data, source), "raw_pairs"),
             "splits_probe": tracker.log_probe(splits_frame(splits), "splits")}
 
 

@@ -26,7 +26,7 @@ def _cfg(hh_file=None, *overrides):
 def _raw(hh_file, cfg):
     source, records = read_records(cfg.data.pairs, cfg.data)
     _, pairs, dropped = load_pairs(cfg, records, source)
-    return raw_pairs_frame(records), pairs, dropped
+    return raw_pairs_frame(records, cfg.data, "f"), pairs, dropped
 
 
 def _rules(report) -> dict[str, object]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from stages.config import ConfigError, load_config
+from stages.config import ConfigError, DataConfig, load_config
 from stages.data import (
     SPLITS, count_cut, encode_example, load_pairs, make_splits, parse_pair, prompt_messages, render_prompt, render_response,
     split_dialogue,
@@ -26,18 +26,18 @@ def test_split_dialogue_and_messages():
 
 
 def test_parse_pair_flags_row_rules():
-    clean, broken = parse_pair({"_row": 3, "chosen": DIALOGUE, "rejected": DIALOGUE.replace("fine", "bad")}, "f")
+    clean, broken = parse_pair({"_row": 3, "chosen": DIALOGUE, "rejected": DIALOGUE.replace("fine", "bad")}, DataConfig(), "f")
     assert broken == [] and clean["chosen"] == "fine, thanks" and clean["row"] == 3
-    _, broken = parse_pair({"_row": 4, "chosen": DIALOGUE, "rejected": DIALOGUE}, "f")
+    _, broken = parse_pair({"_row": 4, "chosen": DIALOGUE, "rejected": DIALOGUE}, DataConfig(), "f")
     assert broken == ["chosen equals rejected"]
-    _, broken = parse_pair({"_row": 5, "chosen": DIALOGUE, "rejected": "\n\nHuman: other\n\nAssistant: x"}, "f")
+    _, broken = parse_pair({"_row": 5, "chosen": DIALOGUE, "rejected": "\n\nHuman: other\n\nAssistant: x"}, DataConfig(), "f")
     assert broken == ["chosen and rejected have different prompts"]
-    _, broken = parse_pair({"_row": 6, "chosen": DIALOGUE + "\n\nHuman: q\n\nAssistant:", "rejected": DIALOGUE + "\n\nHuman: q\n\nAssistant: a"}, "f")
+    _, broken = parse_pair({"_row": 6, "chosen": DIALOGUE + "\n\nHuman: q\n\nAssistant:", "rejected": DIALOGUE + "\n\nHuman: q\n\nAssistant: a"}, DataConfig(), "f")
     assert broken == ["empty answer"]
     with pytest.raises(DataError, match=r"f, row 7: missing column 'rejected'"):
-        parse_pair({"_row": 7, "chosen": DIALOGUE}, "f")
+        parse_pair({"_row": 7, "chosen": DIALOGUE}, DataConfig(), "f")
     with pytest.raises(DataError, match=r"row 8: not an HH dialogue"):
-        parse_pair({"_row": 8, "chosen": "no turns here", "rejected": "x"}, "f")
+        parse_pair({"_row": 8, "chosen": "no turns here", "rejected": "x"}, DataConfig(), "f")
 
 
 def test_shared_hh_file_parses_with_its_known_dirty_rows(hh_file):

@@ -92,7 +92,7 @@ def parse_file(path: Path, target: str) -> None:
     try:
         source, records = read_records(str(path), DataConfig())
         source, pairs, _ = load_pairs(PipelineConfig(), records, source)
-        raw_pairs_frame(records)
+        raw_pairs_frame(records, DataConfig(), source)
         write_jsonl(pairs, path.parent / "out" / "pairs.jsonl")
     except DataError as err:
         assert path.name in str(err) and err.rule, err  # names the file and the rule
@@ -186,7 +186,7 @@ def test_records(records):
     rows = [{**record, "_row": row} for row, record in enumerate(records, start=1)]
     try:
         _, pairs, dropped = load_pairs(PipelineConfig(), rows, "rows")
-        raw_pairs_frame(rows)
+        raw_pairs_frame(rows, DataConfig(), "rows")
     except DataError as err:
         assert err.source == "rows" and err.rule
         COUNTS["records", "DataError"] += 1
