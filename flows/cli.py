@@ -316,6 +316,31 @@ def _precision_line(cfg) -> str:
             f"on this machine ({precision.describe(device)})")
 
 
+def _serve_reward(args) -> int:
+    from pathlib import Path
+
+    from stages import tracking
+    from stages.config import ConfigError, load_config
+    from stages.reward.serve import RewardScorer, make_server, token_from_env
+
+    cfg = load_config(args.preset)
+    token = token_from_env(args.auth_env)
+    if args.auth_env and not token:
+        raise ConfigError(f"--auth-env {args.auth_env}: that environment variable is not set")
+    folder = Path(args.model) if Path(args.model).is_dir() else tracking.download(args.model)
+    server = make_server(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len), args.host, args.port, token)
+    host, port = server.server_address[:2]
+    print(f"reward model {args.model} at http://{host}:{port}/score (POST {{prompts, responses, ended}} → "
+          f"{{scores}}; GET /health); PPO: --set ppo.reward=http://{host}:{port}/score", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def _die_with_the_supervisor() -> None:
     """In the supervised child: if the supervisor dies (SIGKILL leaves it no word to say), take this
     process's group with it (the Prefect API server and any ranks it started)."""
@@ -372,6 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--timeout", type=float, default=300, help="seconds to wait for each service to answer")
     sub.add_parser("down", help="stop what `rlhf up` started")
 
+    serve_reward = sub.add_parser("serve-reward", help="serve a reward model over HTTP (the API of ppo.reward=http://…)")
+    serve_reward.add_argument("--model", required=True,
+                              help="a registered reward model (models:/<prefix>-reward/<version>), a runs:/ URI or a folder")
+    serve_reward.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"),
+                              help="preset whose model settings (pad token, precision) and reward.max_seq_len apply")
+    serve_reward.add_argument("--host", default="127.0.0.1", help="interface (default: loopback only)")
+    serve_reward.add_argument("--port", type=int, default=8765)
+    serve_reward.add_argument("--auth-env", default=None, metavar="VAR",
+                              help="require `Authorization: Bearer $VAR` (the token is read from the environment)")
+
     runs = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
     runs.add_argument("--experiment", default="rlhf")
     runs.add_argument("--preset", default=None, help="only runs of this preset")
@@ -408,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "up":
             return _up(args)
+        if args.command == "serve-reward":
+            return _serve_reward(args)
         if args.command == "down":
             stopped = services.down()
             print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")

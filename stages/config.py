@@ -444,8 +444,18 @@ class PPOConfig(_TrainingSection):
     ptx_batch_size: int = Field(4, description="PPO-ptx examples per minibatch. ours: a small LM batch beside each "
                                                "PPO minibatch.")
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus. MOSS: entropy_loss_weight 0.")
-    reward: str = Field("rm", description="`rm`, or a rule such as `char_fraction:e` (tests, reward debugging). "
-                                          "ours: the trained reward model.")
+    reward: str = Field(
+        "rm",
+        description="Where the scores come from: `rm` (the trained reward model), `python:package.module:function` "
+                    "(a rule or verifier: function(prompts, responses) -> scores), `http://…`/`https://…` (a reward "
+                    "server: stages/ppo/reward_sources.py has its API; `rlhf serve-reward` serves our RM with it), or "
+                    "`char_fraction:<c>` (tests, reward debugging). ours: the trained reward model.")
+    reward_timeout_s: float = Field(60.0, description="A reward server's time to answer one batch. ours.")
+    reward_retries: int = Field(3, ge=0, description="Retries of a failed reward-server request (connection, timeout, "
+                                                     "5xx), with exponential backoff. ours.")
+    reward_auth_env: str | None = Field(
+        "RLHF_REWARD_TOKEN", description="Environment variable whose value a reward server gets as a bearer token "
+                                         "(when set); the token itself is never logged. ours.")
     ptx_data: str | None = Field(
         None,
         description="PPO-ptx data (paper eq. 17 uses pretraining data): any data file the data stage reads "
@@ -481,6 +491,17 @@ class PPOConfig(_TrainingSection):
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,
                                       description="The actor lr is multiplied by this at each rollback. ours: a "
                                                   "smaller step from the same weights.")
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward_source(cls, value: str) -> str:
+        import re
+
+        if value == "rm" or re.fullmatch(r"char_fraction:.", value) or re.fullmatch(
+                r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value):
+            return value
+        raise ValueError(f"reward={value!r}: use rm, python:package.module:function, http(s)://host/path or "
+                         f"char_fraction:<one character>")
 
     @model_validator(mode="after")
     def _kl_estimator_fits_its_place(self) -> PPOConfig:

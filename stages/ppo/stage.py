@@ -19,6 +19,7 @@ from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
 from stages.ppo.guard import CollapseGuard
+from stages.ppo.reward_sources import TEXT_SOURCES, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, warmup_steps
@@ -61,7 +62,12 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
         critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
         if "critic_model_dir" not in inputs:  # a pre-trained critic is on this scale already
             values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
-    score_fn = reward_model_scores(reward_model) if cfg.ppo.reward == "rm" else rule_scores(tokenizer, cfg.ppo.reward)
+    if cfg.ppo.reward == "rm":
+        score_fn = reward_model_scores(reward_model)
+    elif cfg.ppo.reward.startswith(TEXT_SOURCES):
+        score_fn = text_scores(cfg.ppo, tokenizer)
+    else:
+        score_fn = rule_scores(tokenizer, cfg.ppo.reward)
     return tokenizer, actor, reference, reward_model, critic, score_fn
 
 

@@ -1,0 +1,116 @@
+"""Where PPO's scores r(x, y) come from (`ppo.reward`):
+
+- `rm`: the trained reward model, read at the last response token (stages/ppo/experience.py);
+- `char_fraction:<c>`: a rule, for tests and reward debugging (stages/ppo/experience.py);
+- `python:package.module:function`: a rule or verifier, `function(prompts, responses) -> scores`;
+- `http://…` / `https://…`: a reward server, one JSON request per batch (the API below).
+
+A text source sees each prompt as the policy saw it (rendered by its chat template, pads
+removed) and each response as answer text (decoded without special tokens, stripped: the form of
+the data's answers), plus whether it ended with EOS.
+
+The HTTP API (`rlhf serve-reward` serves a registered reward model with it):
+    POST {"prompts": [str], "responses": [str], "ended": [bool], "query": [prompt + response]}
+    →    {"scores": [float]}   ("rewards" is read too: OpenRLHF's remote RM answers with it)
+`query` is there for servers written for OpenRLHF's remote reward API. A request that fails
+(connection, timeout, 5xx) is retried `ppo.reward_retries` times with exponential backoff;
+`ppo.reward_auth_env` names an environment variable whose value goes out as a bearer token
+(never logged).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+TEXT_SOURCES = ("python:", "http://", "https://")
+
+
+class RewardSourceError(RuntimeError):
+    """A reward source that cannot be loaded or that answered wrongly: the message says which."""
+
+
+def batch_texts(tokenizer, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                response_mask: torch.Tensor) -> tuple[list[str], list[str], list[bool]]:
+    """(prompts, responses, ended) of a rollout batch: the prompt's real tokens decoded as they are
+    (chat template included), the response's without special tokens and stripped, ended = its last
+    token is EOS."""
+    prompts, responses, ended = [], [], []
+    for sequence, mask, response in zip(sequences, attention_mask, response_mask):
+        prompt_ids = sequence[:prompt_width][mask[:prompt_width].bool()]
+        response_ids = sequence[prompt_width:][response[: sequence.shape[0] - prompt_width].bool()]
+        prompts.append(tokenizer.decode(prompt_ids))
+        responses.append(tokenizer.decode(response_ids, skip_special_tokens=True).strip())
+        ended.append(bool(len(response_ids)) and int(response_ids[-1]) == tokenizer.eos_token_id)
+    return prompts, responses, ended
+
+
+def _checked(scores, count: int, where: str) -> list[float]:
+    if not isinstance(scores, (list, tuple)) or len(scores) != count:
+        raise RewardSourceError(f"{where} returned {type(scores).__name__} of length "
+                                f"{len(scores) if hasattr(scores, '__len__') else '?'}; wanted {count} numbers")
+    try:
+        return [float(s) for s in scores]
+    except (TypeError, ValueError):
+        raise RewardSourceError(f"{where} returned a score that is not a number") from None
+
+
+def python_function(spec: str):
+    """`python:package.module:function` → the function (imported now: a typo fails before any rollout)."""
+    target = spec.removeprefix("python:")
+    module_name, _, function_name = target.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as err:
+        raise RewardSourceError(f"ppo.reward={spec}: cannot import {function_name!r} from {module_name!r} ({err})") from None
+    if not callable(function):
+        raise RewardSourceError(f"ppo.reward={spec}: {target} is not callable")
+    return function
+
+
+def post_scores(url: str, prompts: list[str], responses: list[str], ended: list[bool], *, timeout_s: float,
+                retries: int, auth_env: str | None) -> list[float]:
+    """One batch to a reward server (the API in the module docstring)."""
+    body = json.dumps({"prompts": prompts, "responses": responses, "ended": ended,
+                       "query": [p + r for p, r in zip(prompts, responses)]}).encode()
+    headers = {"Content-Type": "application/json"}
+    if auth_env and os.environ.get(auth_env):
+        headers["Authorization"] = f"Bearer {os.environ[auth_env]}"
+    for attempt in range(retries + 1):
+        try:
+            request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                answer = json.loads(response.read())
+            break
+        except urllib.error.HTTPError as err:
+            if err.code < 500 or attempt == retries:  # a client error will not mend by asking again
+                raise RewardSourceError(f"reward server {url} answered HTTP {err.code}: {err.read()[:200]!r}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            if attempt == retries:
+                raise RewardSourceError(f"reward server {url} unreachable after {retries + 1} tries: {err}") from None
+        time.sleep(min(2.0**attempt, 30.0))
+    scores = answer.get("scores", answer.get("rewards")) if isinstance(answer, dict) else None
+    return _checked(scores, len(prompts), f"reward server {url}")
+
+
+def text_scores(ppo, tokenizer):
+    """score_fn for a text source (`python:` or `http(s)://`)."""
+    spec = ppo.reward
+    function = python_function(spec) if spec.startswith("python:") else None
+
+    def score(sequences, attention_mask, prompt_width, response_mask):
+        prompts, responses, ended = batch_texts(tokenizer, sequences, attention_mask, prompt_width, response_mask)
+        if function is not None:
+            values = _checked(function(prompts, responses), len(prompts), spec)
+        else:
+            values = post_scores(spec, prompts, responses, ended, timeout_s=ppo.reward_timeout_s,
+                                 retries=ppo.reward_retries, auth_env=ppo.reward_auth_env)
+        return torch.tensor(values, dtype=torch.float32, device=sequences.device)
+
+    return score
