@@ -450,12 +450,14 @@ class PPOConfig(_TrainingSection):
                     "(a rule or verifier: function(prompts, responses) -> scores), `http://…`/`https://…` (a reward "
                     "server: stages/ppo/reward_sources.py has its API; `rlhf serve-reward` serves our RM with it), or "
                     "`char_fraction:<c>` (tests, reward debugging). ours: the trained reward model.")
-    reward_timeout_s: float = Field(60.0, description="A reward server's time to answer one batch. ours.")
+    reward_timeout_s: float = Field(60.0, description="A reward server's time to answer one batch. ours: a "
+                                                      "rollout batch on a busy server, not a hung one.")
     reward_retries: int = Field(3, ge=0, description="Retries of a failed reward-server request (connection, timeout, "
-                                                     "5xx), with exponential backoff. ours.")
+                                                     "5xx), with exponential backoff. ours: rides out a restart.")
     reward_auth_env: str | None = Field(
         "RLHF_REWARD_TOKEN", description="Environment variable whose value a reward server gets as a bearer token "
-                                         "(when set); the token itself is never logged. ours.")
+                                         "(when set); the token itself is never logged. ours: secrets stay in the "
+                                         "environment.")
     ptx_data: str | None = Field(
         None,
         description="PPO-ptx data (paper eq. 17 uses pretraining data): any data file the data stage reads "
