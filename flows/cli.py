@@ -218,13 +218,32 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_arms(specs: list[str]) -> dict[str, dict]:
+    """`--arm 'NAME={ppo.actor_lr: 1.0e-4}'` (repeatable) → {NAME: overrides}."""
+    from stages.config import ConfigError
+
+    arms: dict[str, dict] = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            overrides = yaml.safe_load(text) if sep else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--arm {spec!r}: the overrides after '=' are not YAML ({err})") from None
+        if not name.strip() or not isinstance(overrides, dict):
+            raise ConfigError(f"--arm {spec!r}: write NAME={{key: value, ...}}, e.g. --arm 'vanilla lr x50="
+                              f"{{ppo.preset: vanilla, ppo.actor_lr: 1.0e-4}}'")
+        arms[name.strip()] = overrides
+    return arms
+
+
 def _study(args: argparse.Namespace) -> int:
     from stages.config import ConfigError, load_config
 
     if args.resume and (args.preset or args.overrides):
         raise ConfigError(f"--resume {args.resume}: a resumed study keeps the config it started with; leave out "
-                          f"--preset/--set")
+                          f"--preset/--set (--arm adds an arm)")
     args.preset = args.preset or "study"
+    new_arms = _parse_arms(args.arms)
     if not args.resume:
         load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
     from prefect.exceptions import CancelledRun
@@ -235,8 +254,8 @@ def _study(args: argparse.Namespace) -> int:
 
     _open_stores()
     try:
-        with _quiet_expected_errors((ContractError, tracking.TrackingUnavailable)), _stop_on_signals():
-            study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume)
+        with _quiet_expected_errors((ContractError, ConfigError, tracking.TrackingUnavailable)), _stop_on_signals():
+            study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume, new_arms=new_arms)
     except CancelledRun as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 130
@@ -383,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     _config_args(study)
     study.add_argument("--resume", default=None, metavar="STUDY_RUN_ID",
                        help="continue a stopped study: finished arms are kept, an unfinished one resumes")
+    study.add_argument("--arm", dest="arms", action="append", default=[], metavar="NAME={KEY: VALUE, ...}",
+                       help="one more arm (repeatable): with --resume it joins that study on the same chain, and the "
+                            "figure and table are made again with it; e.g. --arm 'vanilla lr x50={ppo.preset: "
+                            "vanilla, ppo.actor_lr: 1.0e-4}'")
 
     serve = sub.add_parser("serve", help="serve the deployments rlhf/full, rlhf/sft, ...")
     serve.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"))

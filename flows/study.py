@@ -4,7 +4,7 @@ nested under the study's MLflow run; at the end the study's figure and table (st
 
 Arms run one after another in this process. A study resumes where it stopped (`resume`: the
 study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
-from its last checkpoint), a missing one starts.
+from its last checkpoint), a missing one starts. `new_arms` join a resumed study on its chain.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flows import services
 from flows.rlhf import rlhf
 from stages import study as studies
 from stages import tracking
-from stages.config import load_config, rlhf_home
+from stages.config import ConfigError, StudyConfig, load_config, rlhf_home
 
 
 def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:
@@ -33,17 +33,26 @@ def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any])
 
 @flow(name="rlhf-study", log_prints=True)
 def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = None,
-          resume: str | None = None) -> str:
-    """Run (or with `resume`, continue) a study; returns its MLflow run id."""
+          resume: str | None = None, new_arms: dict[str, dict[str, Any]] | None = None) -> str:
+    """Run (or with `resume`, continue) a study, with `new_arms` besides its own; returns its MLflow
+    run id."""
+    new_arms = StudyConfig.checked_arms(new_arms or {})
     if resume:
         cfg, preset, overrides, arms = studies.reopen(resume)
         study_id = resume
+        if clash := [name for name in new_arms if name in arms or name == studies.CHAIN]:
+            raise ConfigError(f"study {resume} already has an arm named {clash[0]!r}; give the new arm another name")
     else:
         overrides = _arm_overrides(overrides, {})
         cfg = load_config(preset, overrides)
         arms = cfg.study.all_arms()
-        for name, arm in arms.items():  # every arm's config validates before anything runs
-            load_config(preset, _arm_overrides(overrides, arm))
+    for name, arm in {**arms, **new_arms}.items():  # every arm's config validates before anything runs
+        load_config(preset, _arm_overrides(overrides, arm))
+    if resume:
+        studies.running(study_id)
+        arms = studies.add_arms(study_id, new_arms) if new_arms else arms
+    else:
+        arms = {**arms, **new_arms}
         study_id = studies.start(cfg, preset, overrides, arms)
     print(f"study {study_id}: arms {', '.join(arms)} (MLflow {tracking.tracking_uri()})")
     done = studies.arm_runs(study_id)

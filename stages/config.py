@@ -699,6 +699,14 @@ class StudyConfig(_Section):
                                      f"{', '.join(STUDY_SECTIONS)} (the chain before PPO is shared by every arm)")
         return self
 
+    @classmethod
+    def checked_arms(cls, arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """`arms` if they keep the rules above (names, keys), else a ConfigError saying which broke."""
+        try:
+            return cls(arms=arms).arms
+        except ValidationError as err:
+            raise ConfigError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
     def all_arms(self) -> dict[str, dict[str, Any]]:
         """The arms, with the ablation arms when `ablations` is on."""
         arms = dict(self.arms)

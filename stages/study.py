@@ -53,15 +53,30 @@ def start(cfg: PipelineConfig, preset: str, overrides: list[str], arms: dict[str
 
 
 def reopen(study_id: str) -> tuple[PipelineConfig, str, list[str], dict[str, dict]]:
-    """A stopped study, to go on with: (its config, preset, overrides, arms) as it started."""
+    """A stopped study, to go on with: (its config, preset, overrides, arms) as it started. It is
+    marked running again (`running`) once the caller has checked what it adds."""
     mlflow_client = tracking.client()
     run = mlflow_client.get_run(study_id)
     if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
-    mlflow_client.update_run(study_id, status="RUNNING")
     tags = run.data.tags
     return (tracking.recorded_config(study_id), tags["rlhf.study_preset"], json.loads(tags["rlhf.study_overrides"]),
             json.loads(tags["rlhf.arms"]))
+
+
+def running(study_id: str) -> None:
+    tracking.client().update_run(study_id, status="RUNNING")
+
+
+def add_arms(study_id: str, new_arms: dict[str, dict]) -> dict[str, dict]:
+    """`new_arms` join the study (its `rlhf.arms` tag and its name); all its arms."""
+    mlflow_client = tracking.client()
+    run = mlflow_client.get_run(study_id)
+    arms = {**json.loads(run.data.tags["rlhf.arms"]), **new_arms}
+    mlflow_client.set_tag(study_id, "rlhf.arms", json.dumps(arms))
+    title = tracking.study_title(run.data.tags.get("rlhf.preset", ""))
+    mlflow_client.update_run(study_id, name=f"{title} · {' vs '.join(arms)}")
+    return arms
 
 
 def arm_runs(study_id: str) -> dict[str, object]:

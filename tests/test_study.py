@@ -56,6 +56,28 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     again = studies.arm_runs(study_id)
     assert {arm: run.info.run_id for arm, run in again.items()} == {arm: run.info.run_id for arm, run in runs.items()}
 
+    # An arm joins the finished study on its chain; the arms before it are not run again.
+    capsys.readouterr()
+    assert main(["study", "--resume", study_id, "--arm", "vanilla={ppo.actor_lr: 1.0e-3}"]) == 2
+    assert f"study {study_id} already has an arm named 'vanilla'" in capsys.readouterr().err
+    assert main(["study", "--resume", study_id, "--arm", "bigger-rm={reward.lr: 1.0e-4}"]) == 2
+    assert "study arm 'bigger-rm' sets 'reward.lr'" in capsys.readouterr().err
+    assert main(["study", "--resume", study_id, "--arm", "no overrides"]) == 2
+    assert "write NAME={key: value, ...}" in capsys.readouterr().err
+    assert client.get_run(study_id).info.status == "FINISHED"  # a refused arm leaves the study as it was
+    assert main(["study", "--resume", study_id, "--arm", "vanilla lr x10={ppo.preset: vanilla, ppo.actor_lr: 1.0e-3}"]) == 0
+    grown = studies.arm_runs(study_id)
+    assert {arm: grown[arm].info.run_id for arm in runs} == {arm: run.info.run_id for arm, run in runs.items()}
+    new = grown["vanilla lr x10"]
+    assert new.info.status == "FINISHED" and new.data.tags["mlflow.parentRunId"] == study_id
+    policy = version_tags(tracking.outputs_of(new.info.run_id)["policy_model"])
+    assert policy["rlhf.ppo_preset"] == "vanilla" and policy["rlhf.input.critic_model"] == chain["critic_model"]
+    assert tracking.recorded_config(new.info.run_id).ppo.actor_lr == 1.0e-3
+    study = client.get_run(study_id)
+    assert study.info.run_name == "tiny study · ppo-max vs vanilla vs vanilla lr x10"
+    assert "| vanilla lr x10 | 2 |" in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+    assert "vanilla lr x10/eval/score_delta" in study.data.metrics
+
 
 def test_the_study_presets_runs_are_not_named_study_study():
     from stages import tracking
