@@ -22,6 +22,12 @@ class NonFiniteGuard:
         self.skipped = 0  # steps skipped in all (the `train/skipped_steps` metric)
         self.in_a_row = 0
 
+    def state_dict(self) -> dict[str, int]:  # for checkpoints
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
+
     def check(self, tensors: dict[str, torch.Tensor], step: str, *, last: bool = True) -> bool:
         """True when every tensor is finite on every rank; False: skip this step. Call it before
         backward. Ranks decide together (one all-reduce), else one rank would step and wait in a

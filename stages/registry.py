@@ -112,10 +112,10 @@ for _stage in (
           gpu=False, deployed=False, headline=("data/rows", "data/dropped")),
     Stage("sft", "stages.sft", config=("model", "data", "sft"), inputs=("splits",),
           outputs=("sft_model", "sft_model_artifact", "sft_probe"), registers="sft", model_output="sft_model",
-          contract={"sft": "sft_probe"}, headline=("eval/perplexity",)),  # before → after
+          contract={"sft": "sft_probe"}, resumes=True, headline=("eval/perplexity",)),  # before → after
     Stage("reward", "stages.reward", config=(*PIPELINE, "statistics.ci_level"), inputs=("splits", "sft_model"),
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
-          contract={"reward": "reward_probe"}, headline=("eval/accuracy", "eval/margin")),
+          contract={"reward": "reward_probe"}, resumes=True, headline=("eval/accuracy", "eval/margin")),
     Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
           registers="critic", model_output="critic_model", contract={"critic": "critic_probe"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -12,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from stages import interrupt, precision, sources, tracking
+from stages.checkpoint import StepCheckpoints
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -116,52 +118,68 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                          precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
 
     pad_id = tokenizer.pad_token_id
+    # The base model's held-out numbers, before a checkpoint replaces its weights.
     loss_before, ppl_before = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
+    guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
+    checkpoints = StepCheckpoints(dist, sft.checkpoint_every)
+    resumed = checkpoints.resume({"model": engine})
+    step, final_train_loss = (resumed["step"], resumed["final_train_loss"]) if resumed else (0, float("nan"))
+    if resumed:
+        guard.load_state_dict(resumed["guard"])
     if dist.is_main:
-        tracker.log_params({"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
-                            "sft.world_size": dist.world_size, "sft.total_steps": total_steps,
-                            "sft.engine": type(engine).__name__,
-                            "sft.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
-                            "sft.base_model": model_dir})
+        if not resumed:
+            tracker.log_params({"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
+                                "sft.world_size": dist.world_size, "sft.total_steps": total_steps,
+                                "sft.engine": type(engine).__name__,
+                                "sft.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
+                                "sft.base_model": model_dir})
+        tracker.set_tags({"rlhf.resumed_from": checkpoints.resumed_from.name if resumed else "none"})
+        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
         tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before,
                              "data/cut_responses": cut_responses}, step=0)
 
-    order_rng = random.Random(sft.seed)
-    guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
+    def batches():
+        """Each step's indices into train_set for this rank, in training order: a fresh shuffle per
+        epoch from one seeded generator, so a resumed run skips exactly the steps it had done."""
+        order_rng = random.Random(sft.seed)
+        for _ in itertools.count():
+            order = list(range(len(train_set)))
+            order_rng.shuffle(order)
+            for batch_start in range(0, steps_per_epoch * global_batch, global_batch):
+                yield order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
+
+    def state() -> dict:
+        return {"step": step, "final_train_loss": final_train_loss, "guard": guard.state_dict()}
+
     engine.train()
-    progress = tqdm(total=total_steps, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
-    step, started = 0, time.perf_counter()
-    final_train_loss = float("nan")
-    while step < total_steps:
-        order = list(range(len(train_set)))
-        order_rng.shuffle(order)
-        for batch_start in range(0, steps_per_epoch * global_batch, global_batch):
-            if step >= total_steps:
-                break
-            interrupt.stop_point(dist, "sft", f"after step {step} of {total_steps} (SFT keeps no checkpoint: it "
-                                              f"starts over when resumed)")
-            mine = order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
-            step_started = time.perf_counter()
-            micro_batches = [[train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
-                             for micro in range(sft.grad_accum_steps)]
-            loss_sum, tokens = accumulate_step(engine, micro_batches, pad_id, guard, dist, step + 1)
-            seq_tokens = sum(len(train_set[i][0]) for i in mine)
-            loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
-            step += 1
-            if tokens:  # else every micro-batch of the step was skipped
-                final_train_loss = loss_sum / tokens
-            elapsed = time.perf_counter() - step_started
-            if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
-                tracker.log_metrics({
-                    "train/loss": loss_sum / tokens if tokens else math.nan,
-                    "train/skipped_steps": guard.skipped,
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "train/tokens_per_s": seq_tokens / elapsed,
-                    "train/epoch": step / steps_per_epoch,
-                }, step=step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_sum / max(tokens, 1):.3f}")
+    progress = tqdm(total=total_steps, initial=step, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
+    started = time.perf_counter()
+    for mine in itertools.islice(batches(), step, total_steps):
+        interrupt.stop_point(dist, "sft", f"after step {step} of {total_steps}",
+                             save=lambda: f"checkpoint {checkpoints.save(step, {'model': engine}, state())}")
+        step_started = time.perf_counter()
+        micro_batches = [[train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
+                         for micro in range(sft.grad_accum_steps)]
+        loss_sum, tokens = accumulate_step(engine, micro_batches, pad_id, guard, dist, step + 1)
+        seq_tokens = sum(len(train_set[i][0]) for i in mine)
+        loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
+        step += 1
+        if tokens:  # else every micro-batch of the step was skipped
+            final_train_loss = loss_sum / tokens
+        elapsed = time.perf_counter() - step_started
+        if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
+            tracker.log_metrics({
+                "train/loss": loss_sum / tokens if tokens else math.nan,
+                "train/skipped_steps": guard.skipped,
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                "train/tokens_per_s": seq_tokens / elapsed,
+                "train/epoch": step / steps_per_epoch,
+            }, step=step)
+        if checkpoints.due(step, total_steps):
+            checkpoints.save(step, {"model": engine}, state())
+        progress.update(1)
+        progress.set_postfix(loss=f"{loss_sum / max(tokens, 1):.3f}")
     progress.close()
     train_seconds = time.perf_counter() - started
 
@@ -198,4 +216,5 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                              "probe/seconds": time.perf_counter() - probe_started}, step=step)
         outputs = {**published, "sft_run": tracker.run_id, "sft_probe": probe_uri}
     dist.barrier()
+    checkpoints.remove()  # the published model is the result; they served resuming only
     return outputs

@@ -1,5 +1,5 @@
 """Faults injected into real runs of the tiny PPO stage (issue 8): a SIGKILL at a random moment and
-a resume, a tracking server that goes away (and comes back, or not), a disk that fills up while a
+a resume (of the SFT and reward stages too), a tracking server that goes away (and comes back, or not), a disk that fills up while a
 checkpoint is written. Every run keeps its metric history whole: each step logged exactly once."""
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ def runs_dir() -> Path:
     return tracking.rlhf_home() / "runs"
 
 
-def new_checkpoint(before: set[Path], name: str, timeout: float = 300) -> Path:
-    """The checkpoints folder of the pipeline run (not in `before`) in which checkpoint `name` appeared."""
+def new_checkpoint(before: set[Path], name: str, timeout: float = 300, stage: str = "ppo") -> Path:
+    """The checkpoints folder of the pipeline run (not in `before`) in which checkpoint `name` of
+    `stage` appeared."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for folder in set(runs_dir().iterdir()) - before:
-            if (folder / "ppo" / "checkpoints" / name / checkpoint.MANIFEST).exists():
-                return folder / "ppo" / "checkpoints"
+            if (folder / stage / "checkpoints" / name / checkpoint.MANIFEST).exists():
+                return folder / stage / "checkpoints"
         time.sleep(0.2)
     raise AssertionError(f"no checkpoint {name} appeared in {timeout} s")
 
@@ -47,23 +48,31 @@ def assert_every_step_once(run_id: str, iterations: int) -> None:
         assert steps(run_id, name) == list(range(1, iterations + 1)), name  # none lost, none twice
 
 
+def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: float, seed: int) -> Path:
+    """Start `rlhf run ARGS` in its own session with its own ephemeral Prefect; SIGKILL it anywhere
+    in the 2.5 steps after checkpoint `first` of stage `checkpoints_of` appeared; its checkpoints
+    folder."""
+    before = set(runs_dir().iterdir())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *args], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        checkpoints = new_checkpoint(before, first, stage=checkpoints_of)
+        time.sleep(random.Random(seed).uniform(0.0, 2.5) * step_s)
+        assert proc.poll() is None, "the run ended before the kill"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return checkpoints
+
+
 def test_a_ppo_run_killed_at_a_random_moment_resumes_with_every_step_logged_once(full_run):
     from flows.rlhf import rlhf
 
     iterations, overrides = 6, ["ppo.iterations=6", "ppo.checkpoint_every=2", "ppo.eval_every=3"]
     iteration_s = stage_run(full_run, "ppo").data.metrics["ppo/train_seconds"] / load_config("tiny").ppo.iterations
-    before = set(runs_dir().iterdir())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # its own ephemeral Prefect
-    args = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", "--stages", "ppo", "--from-run", full_run]
-    proc = subprocess.Popen([*args, *(a for o in overrides for a in ("--set", o))], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        checkpoints = new_checkpoint(before, "iter-000002")
-        time.sleep(random.Random(8).uniform(0.0, 2.5) * iteration_s)  # anywhere in the next 2.5 of 4 iterations
-        assert proc.poll() is None, "the run ended before the kill"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    args = ["--preset", "tiny", "--stages", "ppo", "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
+    checkpoints = killed_at_random(args, "ppo", "iter-000002", iteration_s, seed=8)
     killed = checkpoints.parents[1].name
     resume_from = checkpoint.latest(checkpoints).name
 
@@ -80,6 +89,36 @@ def test_a_ppo_run_killed_at_a_random_moment_resumes_with_every_step_logged_once
     for name in ("objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "episode", "eval/score"):
         got, want = ({m.step: m.value for m in client.get_metric_history(run_id, name)}
                      for run_id in (attempt.info.run_id, whole))
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_a_killed_sft_or_reward_stage_resumes_with_every_step_logged_once(full_run, stage):
+    from flows.rlhf import rlhf
+
+    overrides = [f"{stage}.checkpoint_every=2", "sft.epochs=1"]
+    earlier = stage_run(full_run, stage)
+    total = len(steps(earlier.info.run_id, "train/loss"))
+    step_s = earlier.data.metrics[f"{stage}/train_seconds"] / total
+    args = ["--preset", "tiny", "--stages", stage, "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
+    checkpoints = killed_at_random(args, stage, "step-000002", step_s, seed=len(stage))
+    killed = checkpoints.parents[1].name
+    resume_from = checkpoint.latest(checkpoints).name
+    assert resume_from.startswith("step-")
+
+    assert rlhf(preset="tiny", overrides=overrides, stages=[stage], resume=killed) == killed
+    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == stage]  # one run
+    assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
+    assert not checkpoints.exists()  # the model is published: the checkpoints are gone
+    for name in ("train/loss", "train/lr", "train/grad_norm", "train/epoch"):
+        assert steps(attempt.info.run_id, name) == list(range(1, total + 1)), name  # none lost, none twice
+
+    # Every step's numbers are an uninterrupted run's, and so is the model it published.
+    whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=[stage], from_run=full_run), stage)
+    client = tracking.client()
+    for name in ("train/loss", "train/lr", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/accuracy"):
+        got, want = ({m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+                     for run in (attempt, whole))
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
 
 

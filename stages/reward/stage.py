@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from stages import interrupt, precision, sources, stats, tracking
+from stages.checkpoint import StepCheckpoints
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
 from stages.guards import NonFiniteGuard
@@ -155,25 +156,37 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
                          grad_accum_steps=1, max_grad_norm=rm.max_grad_norm,
                          precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
+    guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
+    checkpoints = StepCheckpoints(dist, rm.checkpoint_every)
+    resumed = checkpoints.resume({"model": engine})
+    done = resumed["step"] if resumed else 0
+    if resumed:
+        guard.load_state_dict(resumed["guard"])
     if dist.is_main:
-        tracker.log_params({"model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
-                            "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
-                            "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
-                            "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
-                            "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
-                            "reward.sft_model": inputs["sft_model"]})
+        if not resumed:
+            tracker.log_params({"model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
+                                "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
+                                "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
+                                "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
+                                "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
+                                "reward.sft_model": inputs["sft_model"]})
+        tracker.set_tags({"rlhf.resumed_from": checkpoints.resumed_from.name if resumed else "none"})
+        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
         # Chosen and rejected answers of rm_train cut at reward.max_response_len (they end without EOS).
         tracker.log_metrics({"data/cut_answers": count_cut([p.chosen_ids for p in train_set] +
                                                            [p.rejected_ids for p in train_set], tokenizer)}, step=0)
 
-    guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
+    def state(step: int) -> dict:
+        return {"step": step, "guard": guard.state_dict()}
+
     engine.train()
+    # The batches are a function of the epoch (the sampler's seed): a resumed run skips the ones done.
     schedule = (indices for epoch in range(rm.epochs) for indices in sampler.batches(epoch))
-    progress = tqdm(total=total_steps, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
+    progress = tqdm(total=total_steps, initial=done, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
     started = time.perf_counter()
-    for step, indices in enumerate(itertools.islice(schedule, total_steps), start=1):
-        interrupt.stop_point(dist, "reward", f"after step {step - 1} of {total_steps} (the reward stage keeps no "
-                                             f"checkpoint: it starts over when resumed)")
+    for step, indices in enumerate(itertools.islice(schedule, done, total_steps), start=done + 1):
+        interrupt.stop_point(dist, "reward", f"after step {step - 1} of {total_steps}",
+                             save=lambda: f"checkpoint {checkpoints.save(step - 1, {'model': engine}, state(step - 1))}")
         step_started = time.perf_counter()
         batch = pair_batch([train_set[i] for i in indices], pad_id, dist.device)
         loss, r_chosen, r_rejected = forward_pairs(engine, batch, len(indices), rm.beta_rm)
@@ -199,6 +212,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                 "train/epoch": step / sampler.steps_per_epoch,
                 "train/skipped_steps": guard.skipped,
             }, step=step)
+        if checkpoints.due(step, total_steps):
+            checkpoints.save(step, {"model": engine}, state(step))
         progress.update(1)
         progress.set_postfix(loss=f"{train_loss:.3f}", acc=f"{correct / pairs:.2f}")
     progress.close()
@@ -224,4 +239,5 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                      "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"})
         outputs = {**published, "reward_run": tracker.run_id, "reward_probe": probe_uri}
     dist.barrier()
+    checkpoints.remove()  # the published model is the result; they served resuming only
     return outputs

@@ -1,0 +1,185 @@
+"""Training checkpoints, for every stage that trains (PPO, SFT, reward): engines (weights,
+optimisers, schedulers), the stage's own state (step, data position, counters), and each rank's
+RNG states (torch CPU and CUDA generators) — written atomically, verified before loading.
+
+Layout: `<dir>/<unit>-000010/` (`iter-` for PPO, `step-` for SFT and reward) holding
+`manifest.json` (sha256 of every file) and the files; a checkpoint is written into a temporary
+folder and renamed into place, so a crash mid-write leaves no folder that looks complete. Loading
+takes the newest folder whose manifest verifies.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors.torch import load_file
+
+from stages.sources import file_digest
+
+MANIFEST = "manifest.json"
+STATE = "state.pt"  # the stage's own state (PPO's: trainer.pt, its name before the others had one)
+
+
+class DiskFullError(RuntimeError):
+    """A checkpoint could not be written because the disk or the quota is full."""
+
+
+# Out of space, over the file size limit, over the quota.
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _save_file(path: Path, write) -> None:
+    # Through a Python file object: a failed write raises OSError with its errno (torch.save and
+    # safetensors.save_file given a path raise errors without one).
+    with open(path, "wb") as out:
+        write(out)
+
+
+def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: int = 2, unit: str = "step",
+         state_file: str = STATE) -> Path:
+    """Write checkpoint `<unit>-<number>` of `engines` (name → engine) and `state` (collective under
+    DeepSpeed); keep the newest `keep` checkpoints. A full disk raises DiskFullError, the
+    checkpoints before this one intact."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{unit}-{number:06d}"
+    tmp = directory / f".tmp-{unit}-{number:06d}"
+    try:
+        _write(tmp, number, engines, state, dist, state_file)
+    except OSError as err:
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # half written: it only takes space
+        if err.errno in DISK_FULL:
+            raise DiskFullError(f"cannot write checkpoint {final}: the disk or the quota is full ({err.strerror}: "
+                                f"{err.filename or tmp}); the checkpoints before it are kept") from err
+        raise
+    if dist.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in sorted(directory.glob(f"{unit}-*"))[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def rng_state() -> dict:
+    """This process's torch generators: the CPU one, and on a GPU machine every CUDA device's
+    (sampling runs on the GPU there: a resumed run without them would draw other tokens)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def load_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    saved = state.get("cuda") or []
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(saved) != here and saved:
+        warnings.warn(f"the checkpoint holds the RNG states of {len(saved)} CUDA devices, this machine has {here}: "
+                      f"the resumed run samples other tokens than an uninterrupted one would", stacklevel=2)
+    for device, generator in enumerate(saved[:here]):
+        torch.cuda.set_rng_state(generator, device)
+
+
+def _rng_file(folder: Path, rank: int) -> Path:
+    return folder / "rng" / f"rank-{rank:05d}.pt"
+
+
+def _write(tmp: Path, number: int, engines: dict, state: dict, dist, state_file: str) -> None:
+    """The files of a checkpoint, and last its manifest, into folder `tmp`."""
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    _rng_file(tmp, dist.rank).parent.mkdir(exist_ok=True)
+    _save_file(_rng_file(tmp, dist.rank), lambda out: torch.save(rng_state(), out))
+    for name, engine in engines.items():
+        if dist.deepspeed_config is not None:
+            engine.save_checkpoint(str(tmp / name), tag="state")  # every rank writes its shards
+        elif dist.is_main:
+            weights = {k: v.detach().contiguous().clone() for k, v in engine.weights().items()}  # fp32 masters
+            _save_file(tmp / f"{name}.safetensors", lambda out: out.write(safetensors.torch.save(weights)))
+            optim = {"optimizer": engine.optimizer.state_dict(), "scheduler": engine.lr_scheduler.state_dict()}
+            _save_file(tmp / f"{name}.optim.pt", lambda out: torch.save(optim, out))
+    dist.barrier()
+    if dist.is_main:
+        _save_file(tmp / state_file, lambda out: torch.save(state, out))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {"number": number, "files": {str(p.relative_to(tmp)): file_digest(p) for p in files}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def verified(folder: Path) -> bool:
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        return all((folder / name).exists() and file_digest(folder / name) == digest
+                   for name, digest in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest checkpoint that verifies (half-written or corrupted ones are skipped)."""
+    if not directory.exists():
+        return None
+    for folder in sorted((p for p in directory.iterdir() if not p.name.startswith(".")), reverse=True):
+        if verified(folder):
+            return folder
+    return None
+
+
+def load(folder: Path, engines: dict, dist, state_file: str = STATE) -> dict:
+    """Restore `engines` and this rank's RNG from a checkpoint folder written by `save`; the
+    stage's own state."""
+    load_engines(folder, engines, dist)
+    state = torch.load(folder / state_file, weights_only=True)
+    if _rng_file(folder, dist.rank).exists():
+        load_rng_state(torch.load(_rng_file(folder, dist.rank), weights_only=True))
+    return state
+
+
+def load_engines(folder: Path, engines: dict, dist) -> None:
+    for name, engine in engines.items():
+        if dist.deepspeed_config is not None:
+            engine.load_checkpoint(str(folder / name), tag="state")
+        else:
+            engine.load_weights(load_file(str(folder / f"{name}.safetensors")))
+            states = torch.load(folder / f"{name}.optim.pt", weights_only=True)
+            engine.optimizer.load_state_dict(states["optimizer"])
+            engine.lr_scheduler.load_state_dict(states["scheduler"])
+
+
+class StepCheckpoints:
+    """The checkpoints of a stage that trains in optimiser steps (SFT, reward): every `every`
+    steps and when a stop is asked, in `<stage workdir>/checkpoints`; a rerun in the same folder
+    (`rlhf run --resume`) continues from the newest. Deleted once the stage's model is published:
+    they serve resuming only."""
+
+    def __init__(self, dist, every: int):
+        self.dist, self.every = dist, every
+        self.directory = dist.workdir / "checkpoints"
+        self.resumed_from: Path | None = None
+
+    def resume(self, engines: dict) -> dict | None:
+        """The stage's state from the newest checkpoint (engines and RNG restored), or None."""
+        self.resumed_from = latest(self.directory)
+        return None if self.resumed_from is None else load(self.resumed_from, engines, self.dist)
+
+    def save(self, step: int, engines: dict, state: dict) -> Path:
+        return save(self.directory, step, engines, state, self.dist, keep=1)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < total_steps
+
+    def remove(self) -> None:
+        if self.dist.is_main:
+            shutil.rmtree(self.directory, ignore_errors=True)
