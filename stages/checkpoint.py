@@ -33,6 +33,8 @@ class DiskFullError(RuntimeError):
 
 # Out of space, over the file size limit, over the quota.
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# A write that failed with less than this free on its filesystem failed for want of space.
+FULL_BELOW_BYTES = 64 * 2**20
 
 
 def _save_file(path: Path, write) -> None:
@@ -50,14 +52,27 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{unit}-{number:06d}"
     tmp = directory / f".tmp-{unit}-{number:06d}"
+    needed = checkpoint_bytes(engines, state) if dist.is_main else 0
+
+    def full(why: str) -> DiskFullError:
+        return DiskFullError(f"cannot write checkpoint {final}: the disk or the quota is full ({why}); the "
+                             f"checkpoints before it are kept")
+
+    if dist.deepspeed_config is None and needed > shutil.disk_usage(directory).free:
+        raise full(f"it needs about {needed / 2**30:.2f} GiB, {shutil.disk_usage(directory).free / 2**30:.2f} GiB "
+                   f"are free in {directory}")
     try:
         _write(tmp, number, engines, state, dist, state_file)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
+        free_at_failure = shutil.disk_usage(directory).free
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # half written: it only takes space
-        if err.errno in DISK_FULL:
-            raise DiskFullError(f"cannot write checkpoint {final}: the disk or the quota is full ({err.strerror}: "
-                                f"{err.filename or tmp}); the checkpoints before it are kept") from err
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            raise full(f"{err.strerror}: {err.filename or tmp}") from err
+        # torch.save reports a failed write as RuntimeError ("unexpected pos"), without the errno
+        # (the disk may also have filled after the check above: another process writing).
+        if isinstance(err, RuntimeError) and free_at_failure < FULL_BELOW_BYTES:
+            raise full(f"{err}; {free_at_failure / 2**20:.1f} MiB were free when the write failed") from err
         raise
     if dist.is_main:
         if final.exists():
@@ -67,6 +82,22 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def checkpoint_bytes(engines: dict, state: dict) -> int:
+    """About what a checkpoint of the plain engines takes on disk: every tensor of their weights,
+    optimiser states and of `state`."""
+    def tensor_bytes(value) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(tensor_bytes(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(tensor_bytes(v) for v in value)
+        return 0
+
+    return tensor_bytes(state) + sum(tensor_bytes(engine.weights()) + tensor_bytes(engine.optimizer.state_dict())
+                                     for engine in engines.values() if hasattr(engine, "weights"))
 
 
 def rng_state() -> dict:

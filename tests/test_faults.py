@@ -236,6 +236,56 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(size) → a folder on a tmpfs of `size` bytes (unmounted afterwards)."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        folder = tmp_path / f"tmpfs{len(mounted)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_disk_that_fills_inside_torch_save_is_a_disk_full_error(small_tmpfs):
+    """torch.save reports a failed write as RuntimeError without an errno (a study's disk filled
+    while the optimiser states were written): still a DiskFullError, with nothing half written."""
+    import torch
+
+    from stages import checkpoint as shared
+    from stages.launch import Dist
+    from stages.training import adamw, cosine_with_warmup, make_engine
+
+    model = torch.nn.Linear(256, 256)
+    optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    engine = make_engine(model, optimizer, cosine_with_warmup(optimizer, 0, 10), micro_batch_size=1,
+                         grad_accum_steps=1, max_grad_norm=1.0, precision="fp32", dist=Dist())
+    engine.backward(model(torch.randn(4, 256)).square().mean())
+    engine.step()  # Adam's moments exist now
+    needed = shared.checkpoint_bytes({"model": engine}, {"step": 1})
+    # Room for the tensors, not for the files' headers and the RNG states: the size check passes,
+    # the last big file (the optimiser states, through torch.save) runs out of space.
+    folder = small_tmpfs((needed // 4096 + 1) * 4096)
+    with pytest.raises(shared.DiskFullError, match=r"cannot write checkpoint .*step-000001: the disk or the quota is "
+                                                   r"full \(.*unexpected pos.*MiB were free when the write failed\)"):
+        shared.save(folder, 1, {"model": engine}, {"step": 1}, Dist())
+    assert list(folder.iterdir()) == []  # no half-written folder
+    # A disk without room for the tensors: refused before anything is written.
+    too_small = small_tmpfs(needed // 2)
+    with pytest.raises(shared.DiskFullError, match=r"it needs about 0\.00 GiB"):
+        shared.save(too_small, 1, {"model": engine}, {"step": 1}, Dist())
+    assert list(too_small.iterdir()) == []
+
+
 def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_checkpoint(full_run):
     cfg = load_config("tiny", ["ppo.iterations=6", "ppo.checkpoint_every=2"])
     pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)

@@ -50,6 +50,9 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert "| ppo-max | 2 |" in table and "| vanilla | 2 |" in table and " [" in table and "collapse guard" in table
     assert 'src="data:image/png;base64,' in (folder / "study.html").read_text()  # the figure inline
     assert "Figure:" in out and "| ppo-max |" in out
+    for arm in ("ppo-max", "vanilla"):  # a finished arm's PPO checkpoints are gone (each is the size of 3 models)
+        ppo_folder = tracking.rlhf_home() / "runs" / runs[arm].info.run_id / "ppo"
+        assert ppo_folder.is_dir() and not {"checkpoints", "passing"} & {p.name for p in ppo_folder.iterdir()}
 
     # Resumed, a finished study runs nothing again.
     assert main(["study", "--resume", study_id]) == 0
