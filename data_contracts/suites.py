@@ -169,7 +169,7 @@ def evaluation(cfg: PipelineConfig) -> list:
     (kind `judge`; `invalid`: no parseable verdict after a retry, tolerated up to a fraction)."""
     rules = cfg.contracts.eval
     ceval_rows, judge_rows = 'kind == "ceval"', 'kind == "judge"'
-    scored_rows = 'judge_kind == "reward_model"'  # score judges: both scores finite
+    scored_rows = 'judge_kind in ["reward_model", "reward_source"]'  # score judges: both scores finite
     return [
         *_schema(EVALUATION_COLUMNS),
         gxe.ExpectTableRowCountToBeBetween(min_value=1),

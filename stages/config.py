@@ -458,7 +458,7 @@ class PPOConfig(_TrainingSection):
         "rm",
         description="Where the scores come from: `rm` (the trained reward model), `python:package.module:function` "
                     "(a rule or verifier: function(prompts, responses) -> scores), `http://…`/`https://…` (a reward "
-                    "server: stages/ppo/reward_sources.py has its API; `rlhf serve-reward` serves our RM with it), or "
+                    "server: stages/reward_sources.py has its API; `rlhf serve-reward` serves our RM with it), or "
                     "`char_fraction:<c>` (tests, reward debugging). ours: the trained reward model.")
     reward_timeout_s: float = Field(60.0, description="A reward server's time to answer one batch. ours: a "
                                                       "rollout batch on a busy server, not a hung one.")
@@ -629,6 +629,34 @@ class RewardModelJudgeConfig(_Section):
     max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
 
+class RewardSourceJudgeConfig(_Section):
+    """A python function or a reward server as a score judge (the same API as `ppo.reward`'s, in
+    stages/reward_sources.py): the answer with the higher score wins. It sees each prompt
+    rendered by the SFT model's chat template and each answer as text."""
+
+    kind: Literal["reward_source"] = Field("reward_source", description="Judge type.")
+    name: str = Field("reward_source", description="In metric names: eval/judge/<name>/...")
+    source: str = Field(..., description="`python:package.module:function` (function(prompts, responses) -> scores) "
+                                         "or `http://…`/`https://…` (a reward server, e.g. `rlhf serve-reward`).")
+    timeout_s: float = Field(60.0, description="A reward server's time to answer one batch.")
+    retries: int = Field(3, ge=0, description="Retries of a failed request (connection, timeout, 5xx), with "
+                                              "exponential backoff.")
+    auth_env: str | None = Field("RLHF_REWARD_TOKEN", description="Environment variable whose value the server gets "
+                                                                  "as a bearer token (when set); never logged.")
+    tie_margin: float = Field(0.0, description="|r(policy) − r(SFT)| ≤ this is a tie.")
+    max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
+
+    @field_validator("source")
+    @classmethod
+    def _text_source(cls, value: str) -> str:
+        import re
+
+        if re.fullmatch(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value):
+            return value
+        raise ValueError(f"source={value!r}: use python:package.module:function or http(s)://host/path (the run's "
+                         f"reward model is the `reward_model` judge)")
+
+
 class EvalGenerationConfig(GenerationConfig):
     """Sampling of the judged responses (paper's code: temperature 0.8, top-p 0.9, repetition
     penalty 1.1, 128 new tokens)."""
@@ -639,7 +667,8 @@ class EvalGenerationConfig(GenerationConfig):
                     "(config_ppo.py); nothing trains on these responses, so the penalty costs nothing here.")
 
 
-JudgeConfig = Annotated[OpenAIJudgeConfig | LocalJudgeConfig | RewardModelJudgeConfig, Field(discriminator="kind")]
+JudgeConfig = Annotated[OpenAIJudgeConfig | LocalJudgeConfig | RewardModelJudgeConfig | RewardSourceJudgeConfig,
+                        Field(discriminator="kind")]
 
 
 class EvalConfig(_Section):

@@ -1,4 +1,4 @@
-"""PPO's reward sources beside the trained RM (stages/ppo/reward_sources.py): a python function and
+"""PPO's reward sources beside the trained RM (stages/reward_sources.py): a python function and
 a reward server over real HTTP each drive tiny PPO through the real flow; `rlhf serve-reward`
 serves our RM with the server API and scores exactly as the RM does; retries, auth and bad
 answers."""
@@ -20,7 +20,7 @@ import torch
 from stages import tracking
 from stages.config import REPO_ROOT, load_config
 from stages.launch import free_port
-from stages.ppo.reward_sources import RewardSourceError, batch_texts, post_scores
+from stages.reward_sources import RewardSourceError, batch_texts, post_scores
 
 REWARD_MODULE = '''
 import json, os
@@ -182,3 +182,49 @@ def test_a_failing_server_is_retried_then_reported(failures, retries, succeeds):
         assert _Flaky.seen == min(failures, retries) + 1
     finally:
         server.shutdown()
+
+
+def test_reward_sources_judge_in_the_eval_stage(reward_server, full_run, tmp_path, monkeypatch):
+    """A reward server and a python function as score judges beside the RM: the served RM gives
+    the RM judge's scores and verdicts pair for pair, the function's scores are the ones it
+    returned, and each gets its net win and score delta with intervals."""
+    import pandas as pd
+
+    from flows.rlhf import rlhf
+
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("REWARD_CALLS", str(tmp_path / "calls.jsonl"))
+    judges = [{"kind": "reward_model"},
+              {"kind": "reward_source", "name": "served_rm", "source": f"{reward_server}/score",
+               "auth_env": "RM_TOKEN_FOR_TEST"},
+              {"kind": "reward_source", "name": "e_rule", "source": "python:my_rewards:e_fraction"}]
+    run_id = rlhf(preset="tiny", stages=["eval"], from_run=full_run,
+                  overrides={"eval": {"judges": judges, "ceval": {"shots": [0]}}})
+    outputs = tracking.outputs_of(run_id)
+    probe = pd.read_parquet(tracking.download(outputs["eval_probe"]))
+    by_judge = {name: frame.sort_values("row").reset_index(drop=True)
+                for name, frame in probe[probe["kind"] == "judge"].groupby("judge")}
+    local, served = by_judge["reward_model"], by_judge["served_rm"]
+    assert len(served) == len(local) > 0 and (served["judge_kind"] == "reward_source").all()
+    for column in ("score_policy", "score_sft"):
+        assert served[column].tolist() == pytest.approx(local[column].tolist(), abs=1e-4)
+    assert served["verdict"].tolist() == local["verdict"].tolist()
+
+    returned = {s for line in (tmp_path / "calls.jsonl").read_text().splitlines() for s in json.loads(line)["scores"]}
+    rule = by_judge["e_rule"]
+    assert set(rule["score_policy"]) | set(rule["score_sft"]) <= returned
+    metrics = tracking.client().get_run(outputs["eval_run"]).data.metrics
+    for name in ("served_rm", "e_rule"):
+        assert metrics[f"eval/judge/{name}/score_delta_ci_low"] <= metrics[f"eval/judge/{name}/score_delta"] <= \
+            metrics[f"eval/judge/{name}/score_delta_ci_high"]
+    params = tracking.client().get_run(outputs["eval_run"]).data.params
+    assert "s3cret" not in json.dumps(params)
+
+
+def test_a_judges_unknown_function_is_named_with_its_setting(full_run):
+    from flows.rlhf import rlhf
+
+    with pytest.raises(Exception, match=r"eval.judges\[0\].source=python:json:nothing: cannot import 'nothing'"):
+        rlhf(preset="tiny", stages=["eval"], from_run=full_run,
+             overrides={"eval": {"judges": [{"kind": "reward_source", "source": "python:json:nothing"}]}})

@@ -17,7 +17,8 @@ from stages import interrupt, precision, sources, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.evaluate import ceval, report
-from stages.evaluate.judge import LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, tally
+from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
+                                   tally)
 from stages.launch import Dist
 from stages.ppo.generation import generate
 from stages.ppo.stage import encode_prompts
@@ -81,6 +82,9 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     if spec.kind == "local":
         model, tokenizer = load_lm(inputs[f"judge_{spec.name}_dir"], judge_model_config(cfg, spec), device)
         return LocalJudge(spec, model, tokenizer, cfg.eval.generation_batch_size)
+    if spec.kind == "reward_source":
+        return RewardSourceJudge(spec, sources.load_tokenizer(inputs["sft_model_dir"], cfg.model),
+                                 cfg.eval.judges.index(spec))
     if "reward_model_dir" not in inputs:
         raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none")
     folder = inputs["reward_model_dir"]

@@ -19,7 +19,7 @@ from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
 from stages.ppo.guard import CollapseGuard
-from stages.ppo.reward_sources import TEXT_SOURCES, text_scores
+from stages.reward_sources import TEXT_SOURCES, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, warmup_steps

@@ -1,5 +1,5 @@
 """`rlhf serve-reward`: a trained reward model behind the reward-server API of
-stages/ppo/reward_sources.py, on loopback by default, so PPO (`ppo.reward=http://…`), another
+stages/reward_sources.py, on loopback by default, so PPO (`ppo.reward=http://…`), another
 pipeline or a person can score text with it.
 
 Each (prompt, response) is tokenised as PPO's rollout holds it: the prompt text as given (it is

@@ -1,4 +1,4 @@
-"""Where PPO's scores r(x, y) come from (`ppo.reward`):
+"""Where scores r(x, y) come from: PPO's (`ppo.reward`) and the eval stage's `reward_source` judge's:
 
 - `rm`: the trained reward model, read at the last response token (stages/ppo/experience.py);
 - `char_fraction:<c>`: a rule, for tests and reward debugging (stages/ppo/experience.py);
@@ -15,7 +15,7 @@ The HTTP API (`rlhf serve-reward` serves a registered reward model with it):
 `query` is there for servers written for OpenRLHF's remote reward API. A request that fails
 (connection, timeout, 5xx) is retried `ppo.reward_retries` times with exponential backoff;
 `ppo.reward_auth_env` names an environment variable whose value goes out as a bearer token
-(never logged).
+(never logged). The eval stage's judge has the same three settings of its own.
 """
 
 from __future__ import annotations
@@ -61,16 +61,17 @@ def _checked(scores, count: int, where: str) -> list[float]:
         raise RewardSourceError(f"{where} returned a score that is not a number") from None
 
 
-def python_function(spec: str):
-    """`python:package.module:function` → the function (imported now: a typo fails before any rollout)."""
+def python_function(spec: str, setting: str = "ppo.reward"):
+    """`python:package.module:function` → the function (imported now: a typo fails before any
+    rollout); errors name the `setting` it came from."""
     target = spec.removeprefix("python:")
     module_name, _, function_name = target.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
-        raise RewardSourceError(f"ppo.reward={spec}: cannot import {function_name!r} from {module_name!r} ({err})") from None
+        raise RewardSourceError(f"{setting}={spec}: cannot import {function_name!r} from {module_name!r} ({err})") from None
     if not callable(function):
-        raise RewardSourceError(f"ppo.reward={spec}: {target} is not callable")
+        raise RewardSourceError(f"{setting}={spec}: {target} is not callable")
     return function
 
 
@@ -99,18 +100,29 @@ def post_scores(url: str, prompts: list[str], responses: list[str], ended: list[
     return _checked(scores, len(prompts), f"reward server {url}")
 
 
+class TextRewardSource:
+    """A `python:` or `http(s)://` source: scores(prompts, responses, ended) -> list of floats.
+    The function is imported now, so a typo fails before any rollout or judging."""
+
+    def __init__(self, spec: str, *, timeout_s: float, retries: int, auth_env: str | None,
+                 setting: str = "ppo.reward"):
+        self.spec, self.timeout_s, self.retries, self.auth_env = spec, timeout_s, retries, auth_env
+        self.function = python_function(spec, setting) if spec.startswith("python:") else None
+
+    def scores(self, prompts: list[str], responses: list[str], ended: list[bool]) -> list[float]:
+        if self.function is not None:
+            return _checked(self.function(prompts, responses), len(prompts), self.spec)
+        return post_scores(self.spec, prompts, responses, ended, timeout_s=self.timeout_s, retries=self.retries,
+                           auth_env=self.auth_env)
+
+
 def text_scores(ppo, tokenizer):
-    """score_fn for a text source (`python:` or `http(s)://`)."""
-    spec = ppo.reward
-    function = python_function(spec) if spec.startswith("python:") else None
+    """PPO's score_fn for a text source (`python:` or `http(s)://`)."""
+    source = TextRewardSource(ppo.reward, timeout_s=ppo.reward_timeout_s, retries=ppo.reward_retries,
+                              auth_env=ppo.reward_auth_env)
 
     def score(sequences, attention_mask, prompt_width, response_mask):
         prompts, responses, ended = batch_texts(tokenizer, sequences, attention_mask, prompt_width, response_mask)
-        if function is not None:
-            values = _checked(function(prompts, responses), len(prompts), spec)
-        else:
-            values = post_scores(spec, prompts, responses, ended, timeout_s=ppo.reward_timeout_s,
-                                 retries=ppo.reward_retries, auth_env=ppo.reward_auth_env)
-        return torch.tensor(values, dtype=torch.float32, device=sequences.device)
+        return torch.tensor(source.scores(prompts, responses, ended), dtype=torch.float32, device=sequences.device)
 
     return score
