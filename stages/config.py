@@ -693,6 +693,24 @@ class EvalConfig(_Section):
                          "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
                          "point estimate above it is not enough: on a few dozen prompts it is often noise.")
     seed: int = Field(42, description="Seed of the sampling.")
+    lm_eval_tasks: list[str] = Field(
+        [], description="lm-eval: task, group or tag names (or a task YAML's path), each run on the SFT model and "
+                        "the policy beside C-Eval (stages/evaluate/harness.py); ours: empty by default, as loading "
+                        "lm-eval's task index alone takes seconds. Unknown names stop the stage before any model "
+                        "loads.")
+    lm_eval_include_path: str | None = Field(
+        None, description="lm-eval: include_path, a folder of your own task YAMLs, searched with lm-eval's "
+                          "built-in tasks (one of yours wins over a built-in of the same name); a task's data may be local files (`dataset_path: json`, "
+                          "`dataset_kwargs: {data_files: …}`) or a hub dataset.")
+    lm_eval_num_fewshot: int | None = Field(
+        None, ge=0, description="lm-eval: num_fewshot, for every task (a task whose YAML fixes 0 keeps 0); None: "
+                                "each task's own default, 0 where it names none.")
+    lm_eval_limit: int | None = Field(
+        None, gt=0, description="lm-eval: limit, the first N examples of each task; None: all (a limited score is "
+                                "lm-eval's own 'testing only' number).")
+    lm_eval_batch_size: int = Field(
+        16, ge=1, description="lm-eval: batch_size (requests per forward pass); ours: 16, as eval.ceval.batch_size "
+                              "(lm-eval's default is 1).")
 
     @model_validator(mode="after")
     def _distinct_judge_names(self) -> EvalConfig:

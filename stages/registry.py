@@ -133,6 +133,6 @@ for _stage in (
           optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
           contract={"evaluation": "eval_probe"},
           headline=("eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate", "eval/judge/*/n",
-                    "eval/judge/*/net_win", "eval/ceval_*shot/overall/delta")),
+                    "eval/judge/*/net_win", "eval/ceval_*shot/overall/delta", "eval/lm_eval/*/delta")),
 ):
     register(_stage)

@@ -1,6 +1,7 @@
 """The evaluation report: win/tie/lose per split and judge, the C-Eval table with the SFT → policy
 delta (the alignment tax) and a flag on any k-shot score where questions got fewer than k
-exemplars, bar charts like the paper's Figs. 10–11, and the markdown text."""
+exemplars, the lm-eval tasks' table with the same delta, bar charts like the paper's Figs. 10–11,
+and the markdown text."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from matplotlib.figure import Figure
 from stages import stats
 from stages.config import StatisticsConfig
 from stages.evaluate.ceval import CATEGORIES
+from stages.evaluate.harness import metric_name
 from stages.stats import Interval
 
 COLORS = {"win": "#4c72b0", "tie": "#b0b0b0", "lose": "#dd8452", "invalid": "#c44e52"}
@@ -62,6 +64,50 @@ def ceval_metrics(table: pd.DataFrame, shortfall: pd.DataFrame) -> dict[str, flo
     for row in shortfall.itertuples():
         metrics[f"eval/ceval_{row.shots}shot/exemplars_dropped/{row.model}"] = float(row.exemplars_dropped)
     return metrics
+
+
+def lm_eval_table(scores: dict[str, list[dict]]) -> pd.DataFrame:
+    """Rows (task, metric) with each model's value and standard error and, with both models,
+    `delta` = policy − SFT. scores: model → `harness.scores(results)`."""
+    rows: dict[tuple, dict] = {}
+    for model, model_scores in scores.items():
+        for s in model_scores:
+            row = rows.setdefault((s["task"], s["metric"]), {"task": s["task"], "metric": s["metric"],
+                                                             "shots": s["shots"], "samples": s["samples"]})
+            row[model], row[f"{model}_stderr"] = s["value"], s["stderr"]
+    models = [m for m in ("sft", "policy") if m in scores]
+    columns = ["task", "metric", "shots", "samples", *models, *(f"{m}_stderr" for m in models)]
+    table = pd.DataFrame(list(rows.values())).reindex(columns=columns)
+    if len(models) == 2:
+        table.insert(columns.index("policy") + 1, "delta", table["policy"] - table["sft"])
+    return table
+
+
+def lm_eval_metrics(table: pd.DataFrame) -> dict[str, float]:
+    """eval/lm_eval/<task>/<metric>/{sft,policy,delta} and eval/lm_eval/<task>/<metric>_stderr/<model>
+    where lm-eval gives a standard error."""
+    metrics = {}
+    for row in table.to_dict(orient="records"):
+        where = f"eval/lm_eval/{metric_name(row['task'])}/{metric_name(row['metric'])}"
+        for column in ("sft", "policy", "delta"):
+            if pd.notna(row.get(column)):
+                metrics[f"{where}/{column}"] = row[column]
+            if pd.notna(row.get(f"{column}_stderr")):
+                metrics[f"{where}_stderr/{column}"] = row[f"{column}_stderr"]
+    return metrics
+
+
+def _lm_eval_markdown(table: pd.DataFrame) -> str:
+    """The lm-eval table with a standard error beside each value ("0.375 ± 0.183")."""
+    shown = table.copy()
+    for model in ("sft", "policy"):
+        if model in shown:
+            shown[model] = [("–" if pd.isna(v) else f"{v:.3f}" + ("" if pd.isna(e) else f" ± {e:.3f}"))
+                            for v, e in zip(shown[model], shown[f"{model}_stderr"])]
+            shown = shown.drop(columns=f"{model}_stderr")
+    shown["shots"] = shown["shots"].map(lambda v: "–" if pd.isna(v) else str(int(v)))
+    shown["samples"] = shown["samples"].map(lambda v: "–" if pd.isna(v) else str(int(v)))
+    return _markdown_table(shown, floats="{:+.3f}")  # the one float column left is the delta
 
 
 def _flag_lines(shortfall: pd.DataFrame) -> list[str]:
@@ -155,8 +201,10 @@ def _markdown_table(frame: pd.DataFrame, floats: str = "{:.3f}") -> str:
 
 
 def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None, shortfall: pd.DataFrame | None,
-             judges: pd.DataFrame | None, champion: str, questions_per_s: float) -> str:
-    """The full report (report.md in the eval run); `shortfall`: `exemplar_shortfall(answers)`."""
+             judges: pd.DataFrame | None, champion: str, questions_per_s: float,
+             lm_eval: pd.DataFrame | None = None, lm_eval_version: str = "") -> str:
+    """The full report (report.md in the eval run); `shortfall`: `exemplar_shortfall(answers)`;
+    `lm_eval`: `lm_eval_table(...)` of the `eval.lm_eval_tasks`."""
     lines = [f"# Evaluation, MLflow run `{run_id}`", ""]
     lines += [f"- {name}: `{uri}`" for name, uri in models.items()] + [f"- champion: {champion}", ""]
     if judges is not None:
@@ -171,6 +219,10 @@ def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None,
                   "![C-Eval](ceval.png)", "",
                   f"{questions_per_s:.1f} questions/s scored.", "", "### Per subject", "",
                   _markdown_table(ceval[ceval["scope"] == "subject"].drop(columns="scope")), ""]
+    if lm_eval is not None:
+        lines += [f"## lm-evaluation-harness {lm_eval_version} (delta = policy − SFT, the alignment tax when "
+                  "negative)", "", "Each task's own prompt, metric and standard error (± is lm-eval's); not on "
+                  "the C-Eval protocol above. lm-eval's files: `lm_eval/`.", "", _lm_eval_markdown(lm_eval), ""]
     return "\n".join(lines)
 
 
@@ -194,7 +246,7 @@ def html(markdown_text: str, folder: Path) -> str:
 
 
 def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, shortfall: pd.DataFrame | None,
-            judges: pd.DataFrame | None, champion: str) -> str:
+            judges: pd.DataFrame | None, champion: str, lm_eval: pd.DataFrame | None = None) -> str:
     """The short version the flow publishes as a Prefect artifact, linking to the full report."""
     lines = [f"# Evaluation: champion {champion}", "", f"Full report: [{report_uri}]({report_uri}) (MLflow run `{run_id}`).", ""]
     if judges is not None:
@@ -202,4 +254,6 @@ def summary(*, run_id: str, report_uri: str, ceval: pd.DataFrame | None, shortfa
     if ceval is not None:
         lines += ["C-Eval val, official C-Eval protocol (overall accuracy):", "", *_flag_lines(shortfall),
                   _markdown_table(ceval[ceval["scope"] == "overall"].drop(columns=["scope", "name"])), ""]
+    if lm_eval is not None:
+        lines += ["lm-evaluation-harness:", "", _lm_eval_markdown(lm_eval), ""]
     return "\n".join(lines)

@@ -1,9 +1,10 @@
-"""The eval stage: C-Eval of the SFT model and the policy (the alignment tax), both models'
+"""The eval stage: C-Eval of the SFT model and the policy (the alignment tax), the
+`eval.lm_eval_tasks` through lm-evaluation-harness on both (the same delta), both models'
 sampled responses to held-out eval prompts judged pairwise by each configured judge, the report
 and probe frame in the stage's run, and the registry alias @champion on the policy version when
 the lower bound of the first judge's net-win confidence interval is above
 `eval.champion_min_lower_bound`. A run without a policy
-(only SFT ran) gets C-Eval of the SFT model alone."""
+(only SFT ran) gets C-Eval (and the lm-eval tasks) of the SFT model alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from stages import interrupt, precision, sources, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
-from stages.evaluate import ceval, report
+from stages.evaluate import ceval, harness, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
 from stages.launch import Dist
@@ -107,14 +108,17 @@ def probe_frame(answers: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
 
 
 def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
-                     device: str, stop_point=lambda where: None) -> tuple[pd.DataFrame, dict[str, list[str]], float]:
-    """C-Eval answers of each model, and (answering) its responses to the eval prompts; each
-    model is loaded once for both. Returns (answers, responses by model and `<model>_ended` flags,
-    C-Eval seconds). `stop_point(where)` is called between the parts (a stop request ends there)."""
+                     device: str, stop_point=lambda where: None, tasks=None
+                     ) -> tuple[pd.DataFrame, dict[str, list[str]], float, dict[str, dict]]:
+    """C-Eval answers of each model, its lm-eval results (with `tasks`, the TaskManager of
+    `eval.lm_eval_tasks`), and (answering) its responses to the eval prompts; each model is loaded
+    once for all. Returns (answers, responses by model and `<model>_ended` flags, C-Eval seconds,
+    lm-eval's results by model). `stop_point(where)` is called between the parts (a stop request
+    ends there)."""
     ev = cfg.eval
     val, dev = ceval.load(cfg.data, ev.ceval.subjects, ev.ceval.max_questions_per_subject,
                           with_dev=max(ev.ceval.shots, default=0) > 0)
-    answers, responses, seconds = [], {}, 0.0
+    answers, responses, seconds, lm_eval = [], {}, 0.0, {}
     for name, model_dir in models.items():
         model, tokenizer = load_lm(model_dir, cfg.model, device)
         for shots in ev.ceval.shots:
@@ -127,12 +131,17 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
             print(f"eval: C-Eval {shots}-shot, {name}: {ceval.accuracy(answers[-1])['overall']['all']:.3f} "
                   f"({len(answers[-1])} questions{f', {short} with fewer than {shots} exemplars' if short else ''}, "
                   f"{time.perf_counter() - t:.0f} s)")
+        if tasks is not None:
+            stop_point(f"before lm-eval on {name}")
+            t = time.perf_counter()
+            lm_eval[name] = harness.evaluate(model, tokenizer, tasks, ev)
+            print(f"eval: lm-eval {', '.join(ev.lm_eval_tasks)}, {name} ({time.perf_counter() - t:.0f} s)")
         if answering:
             stop_point(f"before {name} answered the eval prompts")
             t = time.perf_counter()
             responses[name], responses[f"{name}_ended"] = respond(model, tokenizer, rows, cfg, device)
             print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
-    return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds
+    return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds, lm_eval
 
 
 def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
@@ -173,7 +182,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     def stop_point(where: str) -> None:  # the evaluation keeps nothing partial: a resumed run starts it over
         interrupt.stop_point(dist, "eval", where)
 
-    answers, responses, ceval_seconds = score_and_answer(cfg, models, rows, judging, dist.device, stop_point)
+    # Unknown lm-eval task names stop the stage here, before any model loads.
+    tasks = harness.task_manager(ev) if ev.lm_eval_tasks else None
+    answers, responses, ceval_seconds, lm_eval = score_and_answer(cfg, models, rows, judging, dist.device,
+                                                                  stop_point, tasks)
     judged = pd.DataFrame()
     if judging:
         pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended)
@@ -190,6 +202,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         shortfall = report.exemplar_shortfall(answers)
         metrics.update(report.ceval_metrics(ceval_table, shortfall))
         metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
+    lm_eval_table = None
+    if lm_eval:
+        lm_eval_table = report.lm_eval_table({name: harness.scores(results) for name, results in lm_eval.items()})
+        metrics.update(report.lm_eval_metrics(lm_eval_table))
     judge_table, champion = None, "no policy"
     if len(judged):
         judge_table = report.judge_table(judged, cfg.statistics)
@@ -223,15 +239,21 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         pd.DataFrame({"row": [r["row"] for r in rows], **responses}).to_json(
             out / "responses.jsonl", orient="records", lines=True, force_ascii=False)
         report.judge_chart(judge_table, out / "judges.png")
+    if lm_eval_table is not None:
+        lm_eval_table.to_csv(out / "lm_eval.csv", index=False)
+        for name, results in lm_eval.items():
+            harness.write(results, out / "lm_eval", name)
     model_uris = {"sft": inputs["sft_model"], **({"policy": inputs["policy_model"]} if "policy" in models else {})}
     markdown = report.markdown(
         run_id=tracker.run_id, models=model_uris, ceval=ceval_table, shortfall=shortfall, judges=judge_table,
-        champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0))
+        champion=champion, questions_per_s=metrics.get("eval/ceval_questions_per_s", 0.0), lm_eval=lm_eval_table,
+        lm_eval_version=harness.version() if lm_eval else "")
     (out / "report.md").write_text(markdown)
     (out / "report.html").write_text(report.html(markdown, out))
     report_uri = tracker.artifact_location("report/report.md")
     (out / "summary.md").write_text(report.summary(run_id=tracker.run_id, report_uri=report_uri, ceval=ceval_table,
-                                                   shortfall=shortfall, judges=judge_table, champion=champion))
+                                                   shortfall=shortfall, judges=judge_table, champion=champion,
+                                                   lm_eval=lm_eval_table))
     tracker.log_artifacts(out, "report")
     return {"eval_run": tracker.run_id, "eval_probe": tracker.log_probe(probe_frame(answers, judged), "eval_probe"),
             "eval_report": tracker.artifact_uri("report/report.md"),
