@@ -335,6 +335,53 @@ def _precision_line(cfg) -> str:
             f"on this machine ({precision.describe(device)})")
 
 
+def _plan_overrides(args: argparse.Namespace) -> list[str]:
+    """--world-size / --deepspeed: the same launch for every training stage, as --set lines."""
+    from stages.plan import TRAINING_STAGES
+
+    extra = []
+    for stage in TRAINING_STAGES:
+        if args.world_size is not None:
+            extra.append(f"{stage}.launch.world_size={args.world_size}")
+        if args.deepspeed is not None:
+            extra.append(f"{stage}.launch.deepspeed={args.deepspeed}")
+    return extra
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`rlhf plan`: the predicted memory table and whether every stage fits (exit 1 if not)."""
+    from stages import plan
+    from stages.config import load_config
+
+    args.preset = args.preset or "demo"
+    cfg = load_config(args.preset, [*args.overrides, *_plan_overrides(args)])
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    predicted = plan.plan(cfg, stages=stages, architecture=args.architecture, device=args.device,
+                          memory_gib=args.device_memory)
+    print(predicted.table())
+    verdict = predicted.check()
+    print(f"\n{verdict.message}" if verdict.fits else f"\nrlhf plan: {verdict.message}")
+    return 0 if verdict.fits else 1
+
+
+def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None:
+    """`rlhf run`: refuse, before Prefect starts or any MLflow run exists, a config whose predicted
+    peak memory does not fit a stage's device (--ignore-plan goes on). A model whose shape cannot be
+    read without its weights (a hub model not in the local cache) is not planned: a note says so."""
+    from stages import plan
+    from stages.config import ConfigError
+
+    try:
+        predicted = plan.plan(cfg, stages=stages, memory_gib=args.device_memory)
+    except plan.PlanError as err:
+        print(f"rlhf: no memory plan ({err})", file=sys.stderr)
+        return
+    verdict = predicted.check()
+    if not verdict.fits:
+        raise ConfigError(f"{verdict.message} (predicted peak memory; `rlhf plan` prints the table; "
+                          f"--ignore-plan runs it anyway)")
+
+
 def _serve_reward(args) -> int:
     from pathlib import Path
 
@@ -396,6 +443,26 @@ def main(argv: list[str] | None = None) -> int:
                      help="a failed data contract stops the flow (stop, default) or is reported (warn)")
     run.add_argument("--force", action="store_true",
                      help="run every stage, even those whose inputs and config match an earlier run's (skipped by default)")
+    run.add_argument("--ignore-plan", action="store_true",
+                     help="start even if `rlhf plan` predicts a stage does not fit its device's memory")
+    run.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                     help="memory per device for the plan check (default: the GPU's, or the host's available RAM)")
+
+    plan = sub.add_parser("plan", help="predicted peak memory per device of each training stage and role, before "
+                                       "any model loads; exit 1 if a stage does not fit")
+    _config_args(plan)
+    plan.add_argument("--world-size", type=int, default=None, help="ranks of every training stage "
+                                                                   "(<stage>.launch.world_size)")
+    plan.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                      help="DeepSpeed config of every training stage: zero2, zero3 or a path (<stage>.launch.deepspeed)")
+    plan.add_argument("--architecture", default=None, metavar="CONFIG_JSON",
+                      help="the model's shape from this config.json (a file, a folder or a name in "
+                           "infra/architectures, e.g. llama-2-7b) instead of model.name_or_path's")
+    plan.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                      help="where the stages compute (default: where `rlhf run` puts them on this machine)")
+    plan.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                      help="memory per device (default: the GPU's, or the host's available RAM)")
+    plan.add_argument("--stages", default=None, help="comma-separated training stages (default: all)")
 
     study = sub.add_parser("study", help="PPO arms (ppo-max, vanilla, ...) on one shared chain: curves and a table "
                                          "with confidence intervals")
@@ -481,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "study":
             return _study(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.contracts:
             args.overrides.append(f"contracts.mode={args.contracts}")
         if args.resume and (args.preset or args.overrides):
@@ -498,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             from stages.sources import data_dir, resolve_local
 
             resolve_local(cfg.data.pairs, data_dir(cfg.data))
+        if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
+            _check_plan(args, cfg, stages)
         from flows.rlhf import rlhf
         from stages import tracking
 

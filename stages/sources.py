@@ -281,14 +281,20 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def gguf_cache_key(gguf: Path) -> str:
+    """The cache entry of a GGUF file's de-quantised copy (`materialise_model`; `stages.plan` reads
+    its config.json)."""
+    stat = gguf.stat()
+    return "gguf-" + _key(str(gguf.resolve()), stat.st_size, int(stat.st_mtime))
+
+
 def materialise_model(cfg: ModelConfig, corpus: Callable[[], list[str]] | None = None) -> str:
     """A local folder (or hub id) holding the model and tokenizer the config asks for."""
     _quiet_transformers()
     spec = cfg.name_or_path
     gguf = gguf_path(cfg)
     if gguf is not None:
-        stat = gguf.stat()
-        key = "gguf-" + _key(str(gguf.resolve()), stat.st_size, int(stat.st_mtime))
+        key = gguf_cache_key(gguf)
 
         def convert(out: Path) -> None:
             print(f"de-quantising {gguf.name} into {cache_dir() / key} (once; about a minute)")
