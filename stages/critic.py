@@ -104,11 +104,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         critic_model = trained_model(trainer.critic)
         critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
         # The running score statistics go with the critic: PPO continues them, count and all.
+        from stages.reward.pyfunc import scorer  # imports MLflow's pyfunc: only where a model is published
+
         published = tracker.publish_model(
             lambda out: save_reward_model(critic_model, tokenizer, out, {
                 "role": "critic", "value_loss": metrics["loss/value_avg"],
                 "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()}),
-            cfg=cfg, inputs=inputs,
+            cfg=cfg, inputs=inputs, pack=scorer(cfg),
             lineage={"rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
                      "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
         outputs = {**published, "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}

@@ -54,6 +54,12 @@ def dialogue_text(messages: list[dict]) -> str:
     return "".join(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages) + ASSISTANT
 
 
+# `dialogue_text` as a chat template, for a chat request MLflow serves to a model whose tokenizer has
+# none (stages/mlflow_models.py): the prompt it renders is the one training rendered (a test checks).
+HH_CHAT_TEMPLATE = ("{% for m in messages %}{{ '\\n\\nHuman:' if m['role'] == 'user' else '\\n\\nAssistant:' }} "
+                    "{{ m['content'] }}{% endfor %}{{ '\\n\\nAssistant:' }}")
+
+
 FORMAT_NAMES = {"hh": "an HH dialogue", "standard": "a standard preference row (prompt, chosen, rejected strings)",
                 "conversational": "a conversational preference row", "implicit": "an implicit-prompt conversation pair"}
 

@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from stages import interrupt, precision, sources, tracking
+from stages import interrupt, mlflow_models, precision, sources, tracking
 from stages.checkpoint import StepCheckpoints
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
@@ -204,7 +204,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                                           sft.probe_max_new_tokens, sft.max_seq_len))
 
         published = tracker.publish_model(
-            save, cfg=cfg, inputs=inputs, inspect=held_out_probe,
+            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model), inspect=held_out_probe,
             lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{ppl_before:.4f}",
                      "rlhf.perplexity_after": f"{ppl_after:.4f}"})
         probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from stages import mlflow_models
 from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
 
 PIPELINE_TAG = "rlhf.kind"
@@ -110,16 +111,31 @@ def flatten(values: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def download(uri: str) -> Path:
-    """A local path for an artifact URI (`runs:/…`, `models:/…`, `file:…`, `s3://…`)."""
+    """A local path for an artifact URI (`runs:/…`, `models:/…`, `file:…`, `s3://…`); for an MLflow
+    model of ours (`models:/<name>/<version>`, `models:/<name>@<alias>`, a logged model `models:/<model
+    id>`, `runs:/<run id>/model`), the Hugging Face folder inside it: what the stages load."""
     _quiet_mlflow()
     import mlflow.artifacts
 
     if uri.startswith("file://"):
         return Path(uri.removeprefix("file://"))
-    if uri.startswith("models:/"):  # resolve through our registry, not MLflow's global default
-        name, version = uri.removeprefix("models:/").split("/")
-        uri = client().get_model_version_download_uri(name, version)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri()))
+    if uri.startswith("models:/"):  # resolve through our tracking store and registry, not MLflow's global default
+        uri = model_location(uri)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri()))
+    return mlflow_models.hf_folder(local) if local.is_dir() else local
+
+
+def model_location(uri: str) -> str:
+    """Where the store keeps the MLflow model `models:/<name>/<version>`, `models:/<name>@<alias>` or
+    `models:/<model id>`."""
+    ref = uri.removeprefix("models:/").rstrip("/")
+    mlflow_client = client()
+    if "@" in ref:
+        name, alias = ref.split("@")
+        ref = f"{name}/{mlflow_client.get_model_version_by_alias(name, alias).version}"
+    if "/" in ref:
+        return mlflow_client.get_model_version_download_uri(*ref.split("/"))
+    return mlflow_client.get_logged_model(ref).artifact_location
 
 
 def log_params(mlflow_client, run_id: str, params: dict) -> None:
@@ -315,32 +331,58 @@ class StageRun:
                 "rlhf.git_commit": git_commit(), "rlhf.config_hash": config_hash,
                 "rlhf.pipeline_run": self.pipeline_run_id}
 
-    def publish_model(self, save, *, cfg: PipelineConfig, inputs: dict, lineage: dict[str, Any] | None = None,
-                      inspect=None) -> dict[str, str]:
+    def publish_model(self, save, *, cfg: PipelineConfig, inputs: dict, pack: mlflow_models.Pack,
+                      lineage: dict[str, Any] | None = None, inspect=None) -> dict[str, str]:
         """The one way a trained model leaves a stage: `save(folder)` writes it (safetensors and
-        tokenizer), the folder becomes this run's `model/` artifact, `inspect(folder)` (a probe of
-        the saved weights, say) runs on the local copy before it goes, and the artifact is
-        registered as `<registry_prefix>-<the stage's registers>` with the lineage tags: every
-        model input of the stage (`rlhf.input.<name>`), `provenance`, and `lineage`. Returns
-        {"<registers>_model": models:/…, "<registers>_model_artifact": runs:/…/model}."""
+        tokenizer), `inspect(folder)` (a probe of the saved weights, say) runs on it, `pack` makes
+        the MLflow model around it (stages/mlflow_models.py), logged as this run's LoggedModel
+        `model`, and that is registered as `<registry_prefix>-<the stage's registers>` with the
+        lineage tags: every model input of the stage (`rlhf.input.<name>`), `provenance`, and
+        `lineage`. Returns {"<registers>_model": models:/<name>/<version>,
+        "<registers>_model_artifact": models:/<model id>}."""
         from stages import registry
 
         spec = registry.get(self.stage)
         out = self.workdir / "model"
         shutil.rmtree(out, ignore_errors=True)
         save(out)
-        self.log_artifacts(out, "model")
         if inspect is not None:
             inspect(out)
-        shutil.rmtree(out)  # the MLflow artifact is the copy that counts
+        model_id, location = self.log_model(out, pack)
+        shutil.rmtree(out)  # the MLflow model is the copy that counts
         tags = {f"rlhf.input.{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
         tags.update(self.provenance(inputs, cfg.stage_hash(self.stage)))
         tags.update(lineage or {})
-        version = self.register(spec.registers, "model", cfg.registry_prefix, tags)
-        return {f"{spec.registers}_model": version, f"{spec.registers}_model_artifact": self.artifact_uri("model")}
+        version = self.register(spec.registers, model_id, location, cfg.registry_prefix, tags)
+        return {f"{spec.registers}_model": version, f"{spec.registers}_model_artifact": f"models:/{model_id}"}
 
-    def register(self, kind: str, artifact_path: str, prefix: str, lineage: dict[str, str]) -> str:
-        """Register `<prefix>-<kind>` from this run's artifacts; returns `models:/name/version`."""
+    def log_model(self, folder: Path, pack: mlflow_models.Pack) -> tuple[str, str]:
+        """`folder` packed as an MLflow model and logged as this run's LoggedModel `model` (what
+        `mlflow.<flavor>.log_model` does, through this run's client and outage handling); returns
+        (its model id, where the store keeps it)."""
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.models import Model
+
+        experiment = self._call(self.client.get_run, self.run_id).info.experiment_id
+        logged = self._call(self.client.create_logged_model, experiment, name="model", source_run_id=self.run_id)
+        packed = self.workdir / "mlflow-model"
+        shutil.rmtree(packed, ignore_errors=True)
+        try:
+            pack(folder, packed, Model(artifact_path=logged.artifact_location, run_id=self.run_id,
+                                       model_uuid=logged.model_id, model_id=logged.model_id))
+            self._call(self.client.log_model_artifacts, logged.model_id, str(packed))
+            self._call(self.client.log_outputs, self.run_id, [LoggedModelOutput(logged.model_id, step=0)])
+        except Exception:
+            self._call(self.client.finalize_logged_model, logged.model_id, LoggedModelStatus.FAILED)
+            raise
+        finally:
+            shutil.rmtree(packed, ignore_errors=True)
+        self._call(self.client.finalize_logged_model, logged.model_id, LoggedModelStatus.READY)
+        return logged.model_id, logged.artifact_location
+
+    def register(self, kind: str, model_id: str, location: str, prefix: str, lineage: dict[str, str]) -> str:
+        """Register logged model `model_id` (kept at `location`) as a version of `<prefix>-<kind>`;
+        returns `models:/name/version`."""
         from mlflow.exceptions import MlflowException
 
         name = f"{prefix}-{kind}"
@@ -349,9 +391,11 @@ class StageRun:
         except MlflowException as err:
             if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
                 raise
-        source = f"{self._call(self.client.get_run, self.run_id).info.artifact_uri}/{artifact_path}"
         tags = {k: str(v) for k, v in lineage.items()}
-        version = self._call(self.client.create_model_version, name, source=source, run_id=self.run_id, tags=tags)
+        # The source is the logged model's location, not `models:/<model id>`: the SQL registry
+        # resolves that URI through MLflow's global default client, not this one (whose store it is).
+        version = self._call(self.client.create_model_version, name, source=location, run_id=self.run_id, tags=tags,
+                             model_id=model_id)
         return f"models:/{name}/{version.version}"
 
     def finish(self, status: str, outputs: dict | None = None) -> None:

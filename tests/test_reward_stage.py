@@ -44,7 +44,10 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
     outputs = tracking.outputs_of(reward_run)
     name, version = outputs["reward_model"].removeprefix("models:/").split("/")
     assert name == "rlhf-tiny-reward"
-    assert outputs["reward_model_artifact"] == f"runs:/{run.info.run_id}/model"
+    # The version is the logged model `model` of the stage's run (an MLflow model: test_mlflow_models.py).
+    logged = client.get_logged_model(outputs["reward_model_artifact"].removeprefix("models:/"))
+    assert logged.name == "model" and logged.source_run_id == run.info.run_id
+    assert client.get_model_version(name, version).source == logged.artifact_location
     tags = client.get_model_version(name, version).tags
     assert tags["rlhf.input.sft_model"] == outputs["sft_model"]  # the SFT version of this very run
     assert tags["rlhf.input.splits"] == outputs["splits"]

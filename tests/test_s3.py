@@ -61,8 +61,11 @@ def test_every_artifact_is_in_the_bucket_and_models_load_back(s3_run, s3_server,
 
     outputs = tracking.outputs_of(s3_run)
     keys = set(s3_server.objects(BUCKET))
-    for stage in ("sft", "reward"):
-        assert f"mlflow/rlhf-s3/{outputs[f'{stage}_run']}/artifacts/model/model.safetensors" in keys
+    for stage in ("sft", "reward"):  # each an MLflow model, logged by the stage's run
+        model_id = outputs[f"{stage}_model_artifact"].removeprefix("models:/")
+        assert tracking.client().get_logged_model(model_id).source_run_id == outputs[f"{stage}_run"]
+        assert any(key.startswith(f"mlflow/rlhf-s3/models/{model_id}/artifacts/") and key.endswith("/model.safetensors")
+                   for key in keys), model_id
     assert any(key.endswith("/artifacts/splits/sft.jsonl") for key in keys)
 
     sft = tracking.client().get_run(outputs["sft_run"])

@@ -124,8 +124,9 @@ def test_full_deployment_runs_every_stage_and_its_gpu_stage_on_its_own_deploymen
     assert lineage["rlhf.input.critic_model"] == outputs["critic_model"]
     # Every model went to the bucket through the server (boto3) and came back for the next stage.
     keys = set(s3_server.objects(BUCKET))
-    for run_id in (outputs["sft_run"], outputs["reward_run"], outputs["critic_run"], outputs["ppo_run"]):
-        assert any(key.endswith(f"{run_id}/artifacts/model/model.safetensors") for key in keys), run_id
+    for kind in ("sft", "reward", "critic", "policy"):
+        model_id = outputs[f"{kind}_model_artifact"].removeprefix("models:/")
+        assert any(f"/models/{model_id}/artifacts/" in key and key.endswith("/model.safetensors") for key in keys), kind
 
 
 def test_ppo_from_run_with_nothing_changed_reuses_the_stage_and_leaves_the_old_run_alone(runs):

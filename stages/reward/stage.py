@@ -230,10 +230,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         tracker.log_artifact(histogram, "eval")
         tracker.log_table(worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS), "eval/worst_pairs.json")
         probe_uri = tracker.log_probe(scores.probe(heldout_rows), "reward_probe")
+        from stages.reward.pyfunc import scorer  # imports MLflow's pyfunc: only where a model is published
+
         published = tracker.publish_model(
             lambda out: save_reward_model(trained_model(engine), tokenizer, out, {"heldout_pairs": len(heldout),
                                                                            "heldout_accuracy": metrics["eval/accuracy"]}),
-            cfg=cfg, inputs=inputs,
+            cfg=cfg, inputs=inputs, pack=scorer(cfg),
             lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
                      "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
                      "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"})

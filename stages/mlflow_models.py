@@ -1,0 +1,78 @@
+"""The MLflow model a registered model is logged as, so that MLflow itself loads and serves it
+(`mlflow.transformers.load_model`, `mlflow.pyfunc.load_model`, `mlflow models serve`):
+
+- `chat(model_cfg)`: the SFT and policy models, MLflow's transformers flavor with task `llm/v1/chat`
+  (a text-generation pipeline; served, it answers OpenAI-style chat requests);
+- `stages.reward.pyfunc.scorer(cfg)`: the reward model and critic, a pyfunc scoring (prompt, response).
+
+Either way the stage's own Hugging Face folder (safetensors, tokenizer, chat template; a reward
+model's score head) is the one copy of the weights inside the MLflow model, and `hf_folder` finds it
+there: what every stage reads back (`tracking.download`).
+
+A pack function `pack(folder, path, mlflow_model)` writes the MLflow model at `path` around the
+saved `folder`; `tracking.StageRun.publish_model` logs it as the run's LoggedModel and registers it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+from stages.config import ModelConfig
+
+Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
+
+MLMODEL_FILE = "MLmodel"
+CHAT_TASK = "llm/v1/chat"
+
+
+def requirements(*packages: str) -> list[str]:
+    """Pins of the installed `packages` for the model's requirements.txt. MLflow's default for the
+    transformers flavor asks for torchvision, which a text model does not use (nor is it installed);
+    a local version label (torch's `+cpu`) is dropped, as pip cannot install it from PyPI."""
+    return [f"{package}=={version(package).split('+')[0]}" for package in packages]
+
+
+def chat(model_cfg: ModelConfig) -> Pack:
+    def pack(folder: Path, path: Path, mlflow_model) -> None:
+        import mlflow.transformers
+        from transformers import AutoTokenizer
+
+        from stages import sources
+        from stages.data import HH_CHAT_TEMPLATE
+
+        # MLflow 3.17's checkpoint-path route (`transformers_model=<folder>`) fails under transformers 5
+        # (flavor_config.py reads `check_task(...)["impl"].__name__`, now a string): the pipeline's
+        # components go in loaded, from the saved safetensors.
+        model = sources.load_model(str(folder), model_cfg)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if not tokenizer.chat_template:  # a chat request renders as training rendered the prompts
+            tokenizer.chat_template = HH_CHAT_TEMPLATE
+        mlflow.transformers.save_model({"model": model, "tokenizer": tokenizer}, path=str(path), task=CHAT_TASK,
+                                       mlflow_model=mlflow_model, pip_requirements=requirements(
+                                           "torch", "transformers", "tokenizers", "safetensors", "accelerate"))
+        # Its `model/` holds the weights it wrote from the loaded copy; the stage's folder goes in their
+        # place, so the files the stages read back (and the contract probed) are the ones it saved.
+        binary = path / mlflow_model.flavors["transformers"]["model_binary"]
+        shutil.rmtree(binary)
+        shutil.copytree(folder, binary)
+
+    return pack
+
+
+def hf_folder(root: Path) -> Path:
+    """The Hugging Face folder inside a downloaded MLflow model of ours (its MLmodel says where); a
+    version registered before models were MLflow models is that folder itself."""
+    if not (root / MLMODEL_FILE).exists():
+        return root
+    from mlflow.models import Model
+
+    flavors = Model.load(str(root / MLMODEL_FILE)).flavors
+    if "transformers" in flavors:
+        return root / flavors["transformers"]["model_binary"]
+    artifacts = flavors.get("python_function", {}).get("artifacts", {})
+    if "model" in artifacts:
+        return root / artifacts["model"]["path"]
+    raise ValueError(f"{root}: an MLflow model without a Hugging Face folder (flavors: {', '.join(flavors)})")

@@ -1,0 +1,170 @@
+"""The registered models are MLflow models (stages/mlflow_models.py, stages/reward/pyfunc.py): on the
+tiny pipeline's versions, MLflow's own loaders give a text-generation pipeline (SFT, policy) and a
+scorer (reward model, critic) that answer as the project's code does, and `mlflow models serve`
+answers a chat request with the policy over HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import sources, tracking
+from stages.config import REPO_ROOT, load_config
+from stages.data import HH_CHAT_TEMPLATE, dialogue_text, read_jsonl, render_prompt
+from stages.launch import free_port
+
+ALIAS = "mlflow-test"  # not @champion: the eval stage decides that one
+MESSAGES = [{"role": "user", "content": "How do I bake bread?"}, {"role": "assistant", "content": "With flour."},
+            {"role": "user", "content": "And then?"}]
+NEW_TOKENS = 8
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    """MLflow's own loaders resolve `models:/` through its default tracking URI: this session's store."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.tracking_uri())
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking.tracking_uri())
+
+
+def _name_version(uri: str) -> tuple[str, str]:
+    name, version = uri.removeprefix("models:/").split("/")
+    return name, version
+
+
+def _greedy(folder: Path, messages: list[dict], new_tokens: int) -> str:
+    """The project's own answer: its prompt rendering, its safetensors loader, greedy decoding."""
+    cfg = load_config("tiny").model
+    tokenizer, model = sources.load_tokenizer(str(folder), cfg), sources.load_model(str(folder), cfg).eval()
+    ids = tokenizer(render_prompt(tokenizer, messages), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_the_hh_chat_template_renders_as_training_does():
+    rendered = jinja2.Environment().from_string(HH_CHAT_TEMPLATE).render(messages=MESSAGES, add_generation_prompt=True)
+    assert rendered == dialogue_text(MESSAGES)
+
+
+def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
+    import mlflow.transformers
+    from mlflow.entities import LoggedModelStatus
+
+    outputs = tracking.outputs_of(full_run)
+    client = tracking.client()
+    name, version = _name_version(outputs["policy_model"])
+    client.set_registered_model_alias(name, ALIAS, version)
+    for uri in (f"models:/{name}@{ALIAS}", outputs["sft_model"]):
+        pipeline = mlflow.transformers.load_model(uri)
+        assert pipeline.task == "text-generation"
+        folder = tracking.download(uri)  # the Hugging Face folder the stages read, inside the MLflow model
+        # The pipeline's weights are the stage's safetensors, and its chat template renders our prompts.
+        saved = load_file(str(folder / "model.safetensors"))
+        state = pipeline.model.state_dict()
+        assert saved and all(torch.equal(state[key], tensor) for key, tensor in saved.items())
+        chat = pipeline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert chat == render_prompt(sources.load_tokenizer(str(folder), load_config("tiny").model), MESSAGES)
+        generated = pipeline(chat, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)
+        assert generated[0]["generated_text"] == _greedy(folder, MESSAGES, NEW_TOKENS)
+
+    # The version's logged model is the PPO run's, and its id (the `_model_artifact` output) and
+    # `runs:/<run>/model` name the same folder.
+    model_id = outputs["policy_model_artifact"].removeprefix("models:/")
+    logged = client.get_logged_model(model_id)
+    assert logged.source_run_id == outputs["ppo_run"] and logged.status == LoggedModelStatus.READY
+    assert client.get_model_version(name, version).source == logged.artifact_location
+    weights = {uri: load_file(str(tracking.download(uri) / "model.safetensors"))
+               for uri in (outputs["policy_model"], outputs["policy_model_artifact"], f"runs:/{outputs['ppo_run']}/model")}
+    first = next(iter(weights.values()))
+    assert all(w.keys() == first.keys() and all(torch.equal(w[k], first[k]) for k in first) for w in weights.values())
+
+
+@pytest.mark.parametrize("kind", ["reward", "critic"])
+def test_reward_model_and_critic_load_as_pyfuncs_scoring_as_serve_reward_does(full_run, mlflow_env, kind):
+    import mlflow.pyfunc
+
+    from stages.reward.serve import RewardScorer
+
+    outputs = tracking.outputs_of(full_run)
+    cfg = load_config("tiny")
+    rows = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[:6]
+    frame = pd.DataFrame({"prompt": [r["prompt"] for r in rows for _ in (0, 1)],
+                          "response": [answer for r in rows for answer in (r["chosen"], r["rejected"])],
+                          "ended": [True, False] * len(rows)})
+    model = mlflow.pyfunc.load_model(outputs[f"{kind}_model"])
+    scores = model.predict(frame)
+    assert list(scores.columns) == ["score"] and len(scores) == len(frame)
+
+    local = RewardScorer(tracking.download(outputs[f"{kind}_model"]), cfg.model, cfg.reward.max_seq_len)
+    expected = local.scores(frame["prompt"].tolist(), frame["response"].tolist(), frame["ended"].tolist())
+    assert scores["score"].tolist() == pytest.approx(expected, abs=1e-4)
+    assert len({round(s, 6) for s in expected}) > 1  # the texts score differently: the comparison says something
+    # Without `ended`, every response counts as finished (serve-reward's default).
+    assert model.predict(frame[["prompt", "response"]])["score"].tolist() == pytest.approx(
+        local.scores(frame["prompt"].tolist(), frame["response"].tolist(), [True] * len(frame)), abs=1e-4)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())
+
+
+def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tmp_path):
+    outputs = tracking.outputs_of(full_run)
+    name, version = _name_version(outputs["policy_model"])
+    port = free_port()
+    # The shell of an activated virtualenv: `mlflow models serve` runs `uvicorn` from PATH.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking.tracking_uri(), "PYTHONPATH": str(REPO_ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
+                                   f"models:/{name}/{version}", "--env-manager", "local", "-h", "127.0.0.1",
+                                   "-p", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as ping:
+                    if ping.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        answer = _post(f"http://127.0.0.1:{port}/invocations", {"messages": MESSAGES, "max_tokens": NEW_TOKENS})
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+    assert answer["object"] == "chat.completion", answer
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert 0 < answer["usage"]["completion_tokens"] <= NEW_TOKENS
+    # The served answer is the policy's greedy answer to the prompt as training rendered it.
+    assert message["content"] == _greedy(tracking.download(outputs["policy_model"]), MESSAGES, NEW_TOKENS)
+
+
+def test_a_version_registered_as_a_bare_folder_still_reads_as_that_folder(tmp_path):
+    """Versions registered before models were MLflow models point at the Hugging Face folder itself."""
+    from stages.mlflow_models import hf_folder
+
+    (tmp_path / "config.json").write_text("{}")
+    assert hf_folder(tmp_path) == tmp_path
