@@ -107,7 +107,10 @@ def test_both_runs_train_every_stage_in_their_own_runs_and_folders(forced, store
         if relative.startswith("runs/"):
             owner = relative.split("/")[1]
         elif path.is_relative_to(artifacts):
-            owner = stage_runs.get(path.relative_to(artifacts).parts[0]) or path.relative_to(artifacts).parts[0]
+            parts = path.relative_to(artifacts).parts
+            # A logged model (models/<model id>/) belongs to the stage run that logged it.
+            run_id = client.get_logged_model(parts[1]).source_run_id if parts[0] == "models" else parts[0]
+            owner = stage_runs.get(run_id) or run_id
         else:
             assert relative.startswith(shared) or relative in shared, f"{relative}: written outside any run's folder"
             continue
@@ -127,8 +130,8 @@ def test_registered_versions_are_distinct_and_each_points_at_its_own_run(forced)
             outputs = tracking.outputs_of(version.tags["rlhf.pipeline_run"])
             assert outputs[f"{kind}_model"] == f"models:/{prefix}-{kind}/{version.version}"
             assert version.run_id == outputs[f"{stage}_run"]
-            run = client.get_run(version.run_id)
-            assert version.source.startswith(run.info.artifact_uri + "/")
+            logged = client.get_logged_model(outputs[f"{kind}_model_artifact"].removeprefix("models:/"))
+            assert logged.source_run_id == version.run_id and version.source == logged.artifact_location
             downloaded = tracking.download(f"models:/{prefix}-{kind}/{version.version}")
             assert (Path(downloaded) / "model.safetensors").is_file()
 
