@@ -42,8 +42,8 @@ def _runs_and_versions(pipeline_run_id: str) -> tuple[list, list]:
     client = tracking.client()
     runs = [client.get_run(pipeline_run_id), *tracking.stage_runs(pipeline_run_id)]
     versions = []
-    for uri in tracking.outputs_of(pipeline_run_id).values():
-        if str(uri).startswith("models:/"):
+    for key, uri in tracking.outputs_of(pipeline_run_id).items():
+        if key.endswith("_model"):  # models:/<name>/<version>; `<kind>_model_artifact` is models:/<model id>
             name, version = uri.removeprefix("models:/").split("/")
             versions.append(client.get_model_version(name, version))
     return runs, versions
