@@ -52,15 +52,15 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{unit}-{number:06d}"
     tmp = directory / f".tmp-{unit}-{number:06d}"
-    needed = checkpoint_bytes(engines, state) if dist.is_main else 0
 
     def full(why: str) -> DiskFullError:
         return DiskFullError(f"cannot write checkpoint {final}: the disk or the quota is full ({why}); the "
                              f"checkpoints before it are kept")
 
-    if dist.deepspeed_config is None and needed > shutil.disk_usage(directory).free:
-        raise full(f"it needs about {needed / 2**30:.2f} GiB, {shutil.disk_usage(directory).free / 2**30:.2f} GiB "
-                   f"are free in {directory}")
+    if dist.deepspeed_config is None and dist.is_main:  # DeepSpeed's ranks write their own shards
+        needed, free = checkpoint_bytes(engines, state), shutil.disk_usage(directory).free
+        if needed > free:
+            raise full(f"it needs about {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free in {directory}")
     try:
         _write(tmp, number, engines, state, dist, state_file)
     except (OSError, RuntimeError) as err:
@@ -85,8 +85,8 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
 
 
 def checkpoint_bytes(engines: dict, state: dict) -> int:
-    """About what a checkpoint of the plain engines takes on disk: every tensor of their weights,
-    optimiser states and of `state`."""
+    """About what a checkpoint of plain (non-DeepSpeed) engines takes on disk: every tensor of their
+    weights, optimiser states and of `state`."""
     def tensor_bytes(value) -> int:
         if isinstance(value, torch.Tensor):
             return value.numel() * value.element_size()
@@ -97,7 +97,7 @@ def checkpoint_bytes(engines: dict, state: dict) -> int:
         return 0
 
     return tensor_bytes(state) + sum(tensor_bytes(engine.weights()) + tensor_bytes(engine.optimizer.state_dict())
-                                     for engine in engines.values() if hasattr(engine, "weights"))
+                                     for engine in engines.values())
 
 
 def rng_state() -> dict:

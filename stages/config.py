@@ -348,6 +348,12 @@ PPO_PRESETS = {
 }
 
 
+def is_text_reward_source(value: str) -> bool:
+    """`python:package.module:function` or `http(s)://…`: the text reward sources of
+    stages/reward_sources.py (PPO's `reward` and the eval stage's `reward_source` judge)."""
+    return bool(re.fullmatch(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value))
+
+
 class PPOConfig(_TrainingSection):
     """PPO-max (paper §5.3–5.4). Switches left at None follow `preset`."""
 
@@ -507,10 +513,7 @@ class PPOConfig(_TrainingSection):
     @field_validator("reward")
     @classmethod
     def _known_reward_source(cls, value: str) -> str:
-        import re
-
-        if value == "rm" or re.fullmatch(r"char_fraction:.", value) or re.fullmatch(
-                r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value):
+        if value == "rm" or re.fullmatch(r"char_fraction:.", value) or is_text_reward_source(value):
             return value
         raise ValueError(f"reward={value!r}: use rm, python:package.module:function, http(s)://host/path or "
                          f"char_fraction:<one character>")
@@ -649,9 +652,7 @@ class RewardSourceJudgeConfig(_Section):
     @field_validator("source")
     @classmethod
     def _text_source(cls, value: str) -> str:
-        import re
-
-        if re.fullmatch(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value):
+        if is_text_reward_source(value):
             return value
         raise ValueError(f"source={value!r}: use python:package.module:function or http(s)://host/path (the run's "
                          f"reward model is the `reward_model` judge)")
