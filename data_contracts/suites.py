@@ -18,7 +18,7 @@ import great_expectations.expectations as gxe
 import pandas as pd
 
 from stages.config import PipelineConfig
-from stages.data import SPLITS
+from stages.data import SPLITS, own_sources
 
 RAW_PAIRS_COLUMNS = ["row", "prompt", "rejected_prompt", "chosen", "rejected"]
 SPLITS_COLUMNS = ["row", "split", "prompt", "chosen", "rejected"]
@@ -79,8 +79,13 @@ def raw_pairs(cfg: PipelineConfig) -> list:
 
 
 def splits(cfg: PipelineConfig) -> list:
-    """The seeded splits: sizes as configured, no prompt in two splits, every row clean."""
+    """The seeded splits: sizes as configured, no prompt in two splits, every row clean. A split
+    from a source of its own (data.*_source) has the answers its source has: an SFT set the
+    chosen one, a prompt set none."""
     sizes = cfg.data.splits.model_dump()
+    own = own_sources(cfg.data)
+    pair_splits = [name for name in SPLITS if name not in own]
+    answered = pair_splits + [name for name in own if name == "sft"]
     return [
         *_schema(SPLITS_COLUMNS),
         gxe.ExpectTableRowCountToEqual(value=sum(sizes.values())),
@@ -88,10 +93,16 @@ def splits(cfg: PipelineConfig) -> list:
         # No prompt twice across the union of the splits: leakage between splits (and
         # duplicates inside one) both show up here, with the rows that share a prompt.
         gxe.ExpectColumnValuesToBeUnique(column="prompt"),
-        gxe.ExpectColumnValueLengthsToBeBetween(column="chosen", min_value=1),
-        gxe.ExpectColumnValueLengthsToBeBetween(column="rejected", min_value=1),
-        gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"]),
+        gxe.ExpectColumnValueLengthsToBeBetween(column="chosen", min_value=1, **_rows(_split_in(answered))),
+        gxe.ExpectColumnValueLengthsToBeBetween(column="rejected", min_value=1, **_rows(_split_in(pair_splits))),
+        gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"],
+                                                           **_rows(_split_in(pair_splits))),
     ]
+
+
+def _split_in(names: list[str]) -> str | None:
+    """A row condition for the rows of these splits (None: every split)."""
+    return None if set(names) == set(SPLITS) else f"split in {names!r}"
 
 
 def sft(cfg: PipelineConfig) -> list:

@@ -564,9 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
         if not args.resume and (stages is None or "data" in stages):
+            from stages.data import own_sources
             from stages.sources import data_dir, resolve_local
 
-            resolve_local(cfg.data.pairs, data_dir(cfg.data))
+            for spec in (cfg.data.pairs, *own_sources(cfg.data).values()):
+                resolve_local(spec, data_dir(cfg.data))
         if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
             _check_plan(args, cfg, stages)
         from flows.rlhf import rlhf

@@ -119,9 +119,26 @@ class DataConfig(_Section):
                     "messages, chosen/rejected lists of one assistant message; `implicit` chosen/rejected whole "
                     "conversations (message lists) sharing every turn but the last, an assistant one. `auto`: per "
                     "row, by the columns and their types (TRL's own rule).")
-    columns: dict[Literal["prompt", "chosen", "rejected"], str] = Field(
-        {}, description="The file's names for prompt/chosen/rejected, e.g. {prompt: question, chosen: good, "
-                        "rejected: bad} (OpenRLHF's input_key/chosen_key/rejected_key).")
+    columns: dict[Literal["prompt", "chosen", "rejected", "completion", "messages"], str] = Field(
+        {}, description="The files' names for prompt/chosen/rejected (and completion/messages in `sft_source`), "
+                        "e.g. {prompt: question, chosen: good, rejected: bad} (OpenRLHF's "
+                        "input_key/chosen_key/rejected_key).")
+    sft_source: str | None = Field(
+        None,
+        description="SFT examples from an instruction/chat data set of their own (a path, or a hub id read from its "
+                    "`train` split), in TRL's SFT formats: `messages` ({role, content} turns ending with the "
+                    "assistant's answer) or `prompt` and `completion` (strings, or message lists). None: the sft "
+                    "split of `pairs` (each prompt with its chosen answer).")
+    ppo_prompts_source: str | None = Field(
+        None,
+        description="PPO's prompts from a prompt-only data set (a path or hub id, as `sft_source`): `prompt` (a "
+                    "string, in the HH form or one user turn, or {role, content} messages ending with a user turn) "
+                    "or `messages` (ending with a user turn). None: the ppo_prompts split of `pairs`.")
+    eval_prompts_source: str | None = Field(
+        None,
+        description="Held-out prompts (PPO's held-out evaluation, the critic's gate, the SFT probe, the eval stage) "
+                    "from a file, in `ppo_prompts_source`'s formats. None: the eval_prompts split of `pairs`. With "
+                    "no answers there, SFT's held-out loss is read on the rm_eval split's chosen answers.")
     hub_data_dir: str | None = Field("harmless-base", description="Sub-folder of a hub dataset (e.g. harmless-base "
                                                                    "of Anthropic/hh-rlhf).")
     hub_split: str = Field("test", description="Split of a hub dataset.")
@@ -131,7 +148,8 @@ class DataConfig(_Section):
                     "data_dir), or the hub id `ceval/ceval-exam`.")
     data_dir: str | None = Field(None, description="Default: $RLHF_DATA_DIR, else ../shared/data beside the repo.")
     seed: int = Field(0, description="Seed of the split assignment.")
-    splits: SplitSizes = Field(SplitSizes(), description="Distinct prompts per split; splits never share a prompt.")
+    splits: SplitSizes = Field(SplitSizes(), description="Distinct prompts per split, from `pairs` or from the "
+                                                         "split's own source; splits never share a prompt.")
     drop_invalid: bool = Field(
         True,
         description="Drop pairs that break a row rule (empty answer, chosen = rejected, prompts differ) and report "

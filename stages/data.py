@@ -146,6 +146,8 @@ def answers(record: dict, data: DataConfig, source: str) -> tuple[list[dict], st
         rejected_answer = _answer(rejected[-1:], "rejected's last turn")
         return (_prompt_turns(chosen[:-1], "chosen's turns before its answer"), chosen_answer,
                 _prompt_turns(rejected[:-1], "rejected's turns before its answer"), rejected_answer)
+    except DataError:  # already names the file, row and rule
+        raise
     except ValueError as err:
         raise DataError(source, row, f"not {FORMAT_NAMES[fmt]}: {err}") from None
 
@@ -165,6 +167,94 @@ def parse_pair(record: dict, data: DataConfig, source: str) -> tuple[dict, list[
     return pair, broken
 
 
+# ----------------------------------------------------------------------------------------------
+# Splits with sources of their own: SFT examples (TRL's SFT formats) and prompt-only sets
+
+OWN_SOURCES = {"sft": "sft_source", "ppo_prompts": "ppo_prompts_source", "eval_prompts": "eval_prompts_source"}
+
+
+def own_sources(data: DataConfig) -> dict[str, str]:
+    """{split: source} for the splits that do not come from the preference pairs."""
+    return {split: getattr(data, field) for split, field in OWN_SOURCES.items() if getattr(data, field)}
+
+
+def _column(record: dict, data: DataConfig, ours: str) -> str:
+    """The file's name for our column `ours` (data.columns maps it)."""
+    return data.columns.get(ours, ours)
+
+
+def _user_prompt(record: dict, data: DataConfig, source: str) -> list[dict]:
+    """The prompt's turns from a `prompt` column (a string, or messages) or a `messages` column."""
+    row = record.get("_row")
+    prompt, messages = _column(record, data, "prompt"), _column(record, data, "messages")
+    if prompt in record:
+        if isinstance(record[prompt], str):
+            text = _text(record, prompt, source, row)
+            return prompt_messages(text) if text.startswith(HUMAN) else [{"role": "user", "content": text.strip()}]
+        return _prompt_turns(_turns(record, prompt, source, row), f"column '{prompt}'")
+    if messages in record:
+        return _prompt_turns(_turns(record, messages, source, row), f"column '{messages}'")
+    columns = ", ".join(k for k in record if k != "_row")
+    raise DataError(source, row, f"missing column '{prompt}' or '{messages}' for a prompt (columns: {columns})")
+
+
+def parse_prompt(record: dict, data: DataConfig, source: str) -> dict:
+    """A prompt-only row (PPO or evaluation prompts) → {row, prompt, messages}."""
+    try:
+        messages = _user_prompt(record, data, source)
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(source, record.get("_row"), f"not a prompt: {err}") from None
+    if not any(m["content"] for m in messages):
+        raise DataError(source, record.get("_row"), "empty prompt")
+    return {"row": record.get("_row"), "prompt": dialogue_text(messages), "messages": messages}
+
+
+def parse_sft_example(record: dict, data: DataConfig, source: str) -> dict:
+    """An SFT row → {row, prompt, messages, chosen}: TRL's `messages` (the last turn is the answer)
+    or `prompt` + `completion`."""
+    row = record.get("_row")
+    messages, completion = _column(record, data, "messages"), _column(record, data, "completion")
+    try:
+        if completion in record:
+            turns = _user_prompt({k: v for k, v in record.items() if k != messages}, data, source)
+            value = record[completion]
+            answer = (_text(record, completion, source, row).strip() if isinstance(value, str)
+                      else _answer(_turns(record, completion, source, row), f"column '{completion}'"))
+        elif messages in record:
+            dialogue = _turns(record, messages, source, row)
+            answer = _answer(dialogue[-1:], f"the last turn of column '{messages}'")
+            turns = _prompt_turns(dialogue[:-1], f"column '{messages}' before its last turn")
+        else:
+            columns = ", ".join(k for k in record if k != "_row")
+            raise DataError(source, row, f"missing column '{messages}', or '{completion}' with a prompt, for an SFT "
+                                         f"example (columns: {columns})")
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(source, row, f"not an SFT example: {err}") from None
+    if not answer:
+        raise DataError(source, row, "empty answer")
+    return {"row": row, "prompt": dialogue_text(turns), "messages": turns, "chosen": answer}
+
+
+PARSE_OWN = {"sft": parse_sft_example, "ppo_prompts": parse_prompt, "eval_prompts": parse_prompt}
+
+
+def read_own_sources(data: DataConfig) -> dict[str, tuple[str, list[dict]]]:
+    """{split: (source, rows)} of the splits with sources of their own, parsed. A hub id is read
+    from its `train` split (hub_data_dir and hub_split belong to `pairs`)."""
+    hub_defaults = data.model_copy(update={"hub_data_dir": None, "hub_split": "train"})
+    out = {}
+    for split, spec in own_sources(data).items():
+        source, records = read_records(spec, hub_defaults)
+        if not records:
+            raise DataError(source, None, "no rows")
+        out[split] = (source, [PARSE_OWN[split](record, data, source) for record in records])
+    return out
+
+
 def load_pairs(cfg: PipelineConfig, records: list[dict] | None = None, source: str | None = None
                ) -> tuple[str, list[dict], list[dict]]:
     """(source, clean pairs, dropped rows with their reasons)."""
@@ -182,24 +272,51 @@ def load_pairs(cfg: PipelineConfig, records: list[dict] | None = None, source: s
     return source, pairs, dropped
 
 
-def make_splits(pairs: list[dict], cfg: PipelineConfig) -> dict[str, list[dict]]:
-    """Seeded splits over distinct prompts: the same prompt never lands in two splits."""
+def make_splits(pairs: list[dict], cfg: PipelineConfig, names: tuple[str, ...] = SPLITS) -> dict[str, list[dict]]:
+    """Seeded splits over distinct prompts: the same prompt never lands in two splits. `names`:
+    the splits cut from the pairs (those without a source of their own)."""
     by_prompt: dict[str, dict] = {}
     for pair in pairs:
         by_prompt.setdefault(pair["prompt"], pair)  # duplicates of a prompt: keep the first row
     unique = list(by_prompt.values())
     random.Random(cfg.data.seed).shuffle(unique)
-    sizes = cfg.data.splits.model_dump()
+    sizes = {name: getattr(cfg.data.splits, name) for name in names}
     needed = sum(sizes.values())
     if needed > len(unique):
         raise ConfigError(
             f"data.splits ask for {needed} prompts ({sizes}) but {cfg.data.pairs} has {len(unique)} distinct ones"
         )
     splits, start = {}, 0
-    for name in SPLITS:
+    for name in names:
         splits[name] = unique[start : start + sizes[name]]
         start += sizes[name]
     return splits
+
+
+def add_own_splits(splits: dict[str, list[dict]], own: dict[str, tuple[str, list[dict]]], cfg: PipelineConfig
+                   ) -> tuple[dict[str, list[dict]], list[dict]]:
+    """The pairs' splits plus each split's own source (`own`: {split: (source, parsed rows)}),
+    seeded, its size from distinct prompts that no other split holds. Returns (all splits in
+    order, the own sources' rows left out, each with its source and rule)."""
+    splits, left_out = dict(splits), []
+    for name in (name for name in SPLITS if name in own):
+        source, rows = own[name]
+        taken = {row["prompt"]: split for split, split_rows in splits.items() for row in split_rows}
+        distinct: dict[str, dict] = {}
+        for row in rows:
+            if row["prompt"] in taken:
+                left_out.append({"source": source, "row": row["row"],
+                                 "rules": [f"prompt already in the {taken[row['prompt']]} split"]})
+            else:
+                distinct.setdefault(row["prompt"], row)
+        candidates = list(distinct.values())
+        random.Random(cfg.data.seed).shuffle(candidates)
+        size = getattr(cfg.data.splits, name)
+        if size > len(candidates):
+            raise ConfigError(f"data.splits.{name} asks for {size} prompts but {source} has {len(candidates)} "
+                              f"distinct ones that no other split holds")
+        splits[name] = candidates[:size]
+    return {name: splits[name] for name in SPLITS}, left_out
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -243,7 +360,8 @@ def splits_frame(splits: dict[str, list[dict]]) -> "pd.DataFrame":
     """All split rows with their split name."""
     import pandas as pd
 
-    rows = [{"row": r["row"], "split": name, "prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+    rows = [{"row": r["row"], "split": name, "prompt": r["prompt"], "chosen": r.get("chosen", ""),
+             "rejected": r.get("rejected", "")}  # prompt-only and SFT sources have no answers to compare
             for name, split_rows in splits.items() for r in split_rows]
     return pd.DataFrame(rows, columns=["row", "split", "prompt", "chosen", "rejected"])
 
@@ -291,24 +409,30 @@ def count_cut(sequences: list[list[int]], tokenizer) -> int:
 
 
 def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
-    """Parse, clean and split the pairs; log the splits as artifacts and MLflow inputs."""
+    """Parse, clean and split the pairs (and the splits' own sources); log the splits as artifacts
+    and MLflow inputs."""
     source, records = read_records(cfg.data.pairs, cfg.data)
     source, pairs, dropped = load_pairs(cfg, records, source)
-    splits = make_splits(pairs, cfg)
+    own = read_own_sources(cfg.data)
+    splits = make_splits(pairs, cfg, tuple(name for name in SPLITS if name not in own))
+    splits, left_out = add_own_splits(splits, own, cfg)
     out = tracker.workdir / "splits"
     for name, rows in splits.items():
         write_jsonl(rows, out / f"{name}.jsonl")
-    write_jsonl(dropped, out / "dropped_rows.jsonl")
+    write_jsonl(dropped + left_out, out / "dropped_rows.jsonl")
     digest = splits_digest(splits)
-    tracker.log_params({"data.source": source, "data.digest": digest})
+    sources_of = {name: own[name][0] if name in own else source for name in SPLITS}
+    tracker.log_params({"data.source": source, "data.digest": digest,
+                        **{f"data.source.{name}": own_source for name, (own_source, _) in own.items()}})
     tracker.log_metrics(
         {"data/rows": len(pairs) + len(dropped), "data/dropped": len(dropped), "data/distinct_prompts": len({p["prompt"] for p in pairs}),
+         **({"data/left_out": len(left_out)} if own else {}),
          **{f"data/{name}": len(rows) for name, rows in splits.items()}},
         step=0,
     )
     tracker.log_artifacts(out, "splits")
     for name, rows in splits.items():
-        tracker.log_input_rows(rows, name=name, source=source, digest=digest, context=name)
+        tracker.log_input_rows(rows, name=name, source=sources_of[name], digest=digest, context=name)
     return {"splits": tracker.artifact_uri("splits"), "data_digest": digest, "data_source": source,
             "data_run": tracker.run_id, "raw_pairs_probe": tracker.log_probe(raw_pairs_frame(records, cfg.data, source), "raw_pairs"),
             "splits_probe": tracker.log_probe(splits_frame(splits), "splits")}
@@ -321,4 +445,4 @@ def corpus_texts(splits_dir: Path) -> list[str]:
 
 def split_texts(splits: dict[str, list[dict]]) -> list[str]:
     """All dialogue text of the splits (what the `bpe` tokenizer of the tiny preset learns on)."""
-    return [text for name in SPLITS for row in splits[name] for text in (row["prompt"], row["chosen"], row["rejected"])]
+    return [row[key] for name in SPLITS for row in splits[name] for key in ("prompt", "chosen", "rejected") if row.get(key)]

@@ -100,7 +100,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     # Counted here, not in the data stage: that stage has no tokenizer (the tiny preset's is
     # trained on its splits), and max_response_len is this stage's setting.
     cut_responses = count_cut([ids for ids, _ in train_set], tokenizer)
-    heldout = encode(read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.heldout_prompts])
+    heldout_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")
+    if heldout_rows and "chosen" not in heldout_rows[0]:  # prompts from a prompt-only file: no answers to score
+        heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")
+    heldout = encode(heldout_rows[: sft.heldout_prompts])
 
     per_rank = sft.micro_batch_size * sft.grad_accum_steps
     global_batch = per_rank * dist.world_size

@@ -105,8 +105,9 @@ DIALOGUE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 
 def test_a_row_that_fits_no_format_names_file_row_and_rule(record, fmt, error):
     data = DataConfig(format=fmt, columns={"prompt": "question", "chosen": "good", "rejected": "bad"}
                       if "question" in record else {})
-    with pytest.raises(DataError, match=error):
+    with pytest.raises(DataError, match=error) as caught:
         parse_pair({**record, "_row": 2}, data, "f")
+    assert str(caught.value).count("row 2") == 1  # the location once, not once per layer
 
 
 def test_row_rules_hold_in_every_format():
