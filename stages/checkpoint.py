@@ -205,6 +205,21 @@ class StepCheckpoints:
         self.resumed_from = latest(self.directory)
         return None if self.resumed_from is None else load(self.resumed_from, engines, self.dist)
 
+    def begin(self, engines: dict, guard, tracker, params: dict) -> dict | None:
+        """A stage's start: resume from the newest checkpoint if there is one (engines, RNG and the
+        non-finite guard's count); on the main rank log `params` when starting fresh, tag where it
+        resumed from, and skip the steps the killed attempt logged after its checkpoint. Returns the
+        resumed state (with `step`), or None."""
+        resumed = self.resume(engines)
+        if resumed:
+            guard.load_state_dict(resumed["guard"])
+        if self.dist.is_main:
+            if not resumed:
+                tracker.log_params(params)
+            tracker.set_tags({"rlhf.resumed_from": self.resumed_from.name if resumed else "none"})
+            tracker.skip_logged_steps()
+        return resumed
+
     def save(self, step: int, engines: dict, state: dict) -> Path:
         return save(self.directory, step, engines, state, self.dist, keep=1)
 

@@ -42,6 +42,11 @@ class Dist:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def zero_stage(self) -> int | str:
+        """The ZeRO stage these ranks train under, or "none" (plain PyTorch)."""
+        return (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none")
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if not self.distributed:
             return list(values)

@@ -1,8 +1,9 @@
 """The MLflow model a registered model is logged as, so that MLflow itself loads and serves it
 (`mlflow.transformers.load_model`, `mlflow.pyfunc.load_model`, `mlflow models serve`):
 
-- `chat(model_cfg)`: the SFT and policy models, MLflow's transformers flavor with task `llm/v1/chat`
-  (a text-generation pipeline; served, it answers OpenAI-style chat requests);
+- `chat(model_cfg, sampling)`: the SFT and policy models, MLflow's transformers flavor with task
+  `llm/v1/chat` (a text-generation pipeline; served, it answers OpenAI-style chat requests, sampled
+  as the eval stage samples the answers it judges);
 - `stages.reward.pyfunc.scorer(cfg)`: the reward model and critic, a pyfunc scoring (prompt, response).
 
 Either way the stage's own Hugging Face folder (safetensors, tokenizer, chat template; a reward
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from stages.config import ModelConfig
+from stages.config import GenerationConfig, ModelConfig
 
 Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
 
@@ -35,7 +36,19 @@ def requirements(*packages: str) -> list[str]:
     return [f"{package}=={version(package).split('+')[0]}" for package in packages]
 
 
-def chat(model_cfg: ModelConfig) -> Pack:
+def generation_defaults(sampling: GenerationConfig, tokenizer):
+    """transformers' GenerationConfig for `sampling` (the eval stage's: what the judged answers were
+    sampled with). A model saved without one gets, in a transformers text-generation pipeline, that
+    pipeline's own defaults (sampling at temperature 0.7, 256 new tokens) instead of ours."""
+    import transformers
+
+    return transformers.GenerationConfig(
+        do_sample=sampling.do_sample, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        repetition_penalty=sampling.repetition_penalty, max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def chat(model_cfg: ModelConfig, sampling: GenerationConfig) -> Pack:
     def pack(folder: Path, path: Path, mlflow_model) -> None:
         import mlflow.transformers
         from transformers import AutoTokenizer
@@ -58,6 +71,7 @@ def chat(model_cfg: ModelConfig) -> Pack:
         binary = path / mlflow_model.flavors["transformers"]["model_binary"]
         shutil.rmtree(binary)
         shutil.copytree(folder, binary)
+        generation_defaults(sampling, tokenizer).save_pretrained(binary)  # our stages read none of it
 
     return pack
 

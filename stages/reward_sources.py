@@ -29,9 +29,6 @@ import urllib.request
 
 import torch
 
-TEXT_SOURCES = ("python:", "http://", "https://")
-
-
 class RewardSourceError(RuntimeError):
     """A reward source that cannot be loaded or that answered wrongly: the message says which."""
 

@@ -125,19 +125,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     loss_before, ppl_before = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
     guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
     checkpoints = StepCheckpoints(dist, sft.checkpoint_every)
-    resumed = checkpoints.resume({"model": engine})
+    resumed = checkpoints.begin({"model": engine}, guard, tracker, params={
+        "model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
+        "sft.world_size": dist.world_size, "sft.total_steps": total_steps, "sft.engine": type(engine).__name__,
+        "sft.zero_stage": dist.zero_stage, "sft.base_model": model_dir})
     step, final_train_loss = (resumed["step"], resumed["final_train_loss"]) if resumed else (0, float("nan"))
-    if resumed:
-        guard.load_state_dict(resumed["guard"])
     if dist.is_main:
-        if not resumed:
-            tracker.log_params({"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
-                                "sft.world_size": dist.world_size, "sft.total_steps": total_steps,
-                                "sft.engine": type(engine).__name__,
-                                "sft.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
-                                "sft.base_model": model_dir})
-        tracker.set_tags({"rlhf.resumed_from": checkpoints.resumed_from.name if resumed else "none"})
-        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
         tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before,
                              "data/cut_responses": cut_responses}, step=0)
 
@@ -207,7 +200,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                                           sft.probe_max_new_tokens, sft.max_seq_len))
 
         published = tracker.publish_model(
-            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model), inspect=held_out_probe,
+            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model, cfg.eval.generation), inspect=held_out_probe,
             lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{ppl_before:.4f}",
                      "rlhf.perplexity_after": f"{ppl_after:.4f}"})
         probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])

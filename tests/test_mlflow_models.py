@@ -43,13 +43,14 @@ def _name_version(uri: str) -> tuple[str, str]:
     return name, version
 
 
-def _greedy(folder: Path, messages: list[dict], new_tokens: int) -> str:
+def _greedy(folder: Path, messages: list[dict], new_tokens: int, repetition_penalty: float = 1.0) -> str:
     """The project's own answer: its prompt rendering, its safetensors loader, greedy decoding."""
     cfg = load_config("tiny").model
     tokenizer, model = sources.load_tokenizer(str(folder), cfg), sources.load_model(str(folder), cfg).eval()
     ids = tokenizer(render_prompt(tokenizer, messages), return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             repetition_penalty=repetition_penalty)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
@@ -145,7 +146,9 @@ def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tm
                 pass
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
-        answer = _post(f"http://127.0.0.1:{port}/invocations", {"messages": MESSAGES, "max_tokens": NEW_TOKENS})
+        # top_k 1: the served model's own sampling settings, made deterministic (its argmax).
+        answer = _post(f"http://127.0.0.1:{port}/invocations",
+                       {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "top_k": 1})
     finally:
         server.terminate()
         try:
@@ -160,9 +163,25 @@ def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tm
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant"
     assert 0 < answer["usage"]["completion_tokens"] <= NEW_TOKENS
-    assert message["content"].strip()
-    # Not checked: that it is the project's own greedy answer. On the tiny policy MLflow's served
-    # text differed from `_greedy`'s (a sampling default or a rendering difference, not yet traced).
+    # The policy's greedy answer under the eval stage's repetition penalty (transformers' form of it,
+    # which also counts the prompt's tokens), less the leading space MLflow strips.
+    sampling = load_config("tiny").eval.generation
+    greedy = _greedy(tracking.download(outputs["policy_model"]), MESSAGES, NEW_TOKENS, sampling.repetition_penalty)
+    assert message["content"] == greedy.lstrip()
+
+
+def test_a_chat_model_samples_as_the_eval_stage_did(full_run):
+    """Saved without a generation config, a model gets the text-generation pipeline's own defaults
+    when MLflow serves it (sampling at temperature 0.7, 256 new tokens): it carries the eval stage's."""
+    sampling = load_config("tiny").eval.generation
+    for kind in ("sft", "policy"):
+        folder = tracking.download(tracking.outputs_of(full_run)[f"{kind}_model"])
+        saved = json.loads((folder / "generation_config.json").read_text())
+        assert not saved.get("_from_model_config"), kind
+        assert {key: saved.get(key) for key in ("do_sample", "temperature", "top_p", "repetition_penalty",
+                                                "max_new_tokens")} == {
+            "do_sample": sampling.do_sample, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "repetition_penalty": sampling.repetition_penalty, "max_new_tokens": sampling.max_new_tokens}, kind
 
 
 def test_a_version_registered_as_a_bare_folder_still_reads_as_that_folder(tmp_path):

@@ -68,6 +68,19 @@ def test_model_states_by_zero_stage_match_hand_computed_bytes():
     assert (frozen.weights, frozen.total) == (2000, 2000)
 
 
+def test_model_states_less_the_fp32_gradient_partition_are_the_zero_papers_figure_1():
+    """Rajbhandari et al. 2020 (ZeRO), Figure 1: a 7.5B-parameter model on 64 GPUs with mixed-precision
+    Adam holds 120 GB per GPU without ZeRO, 31.4 GB with P_os (ZeRO-1), 16.6 GB with P_os+g (ZeRO-2)
+    and 1.9 GB with P_os+g+p (ZeRO-3). DeepSpeed's bf16 mode also keeps an fp32 gradient partition,
+    4Ψ/N, which the paper's fp16 scheme does not (it steps fp32 masters from the fp16 gradients)."""
+    psi, n = 7_500_000_000, 64
+    published = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # GB (10^9 bytes), as the figure prints them
+    for zero, gigabytes in published.items():
+        r = model_states(Role("actor", True, psi), "bf16", Sharding(world_size=n, zero=zero), largest_module=0)
+        ours = r.weights + r.master + r.grads + r.optimizer - 4 * psi // (n if zero else 1)
+        assert round(ours / 1e9, 1) == gigabytes, zero
+
+
 def test_the_zero_stage_comes_from_the_deepspeed_config():
     cfg = load_config("tiny", ["ppo.launch.world_size=8", "ppo.launch.deepspeed=zero3",
                                "sft.launch.world_size=2", "sft.launch.deepspeed=zero2"])

@@ -13,13 +13,13 @@ import torch
 from tqdm import tqdm
 
 from stages import interrupt, mlflow_models, precision, sources, stats, tracking
-from stages.config import PipelineConfig, StatisticsConfig
+from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
 from stages.ppo.guard import CollapseGuard
-from stages.reward_sources import TEXT_SOURCES, text_scores
+from stages.reward_sources import text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, warmup_steps
@@ -64,7 +64,7 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
             values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
     if cfg.ppo.reward == "rm":
         score_fn = reward_model_scores(reward_model)
-    elif cfg.ppo.reward.startswith(TEXT_SOURCES):
+    elif is_text_reward_source(cfg.ppo.reward):
         score_fn = text_scores(cfg.ppo, tokenizer)
     else:
         score_fn = rule_scores(tokenizer, cfg.ppo.reward)
@@ -264,7 +264,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
         if critic is None:  # a critic-free estimator read no critic, whatever the inputs held
             lineage["rlhf.input.critic_model"] = ""
-        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model), lineage=lineage)
+        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model, cfg.eval.generation), lineage=lineage)
         outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
     return outputs

@@ -158,20 +158,14 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                          precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
     guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
     checkpoints = StepCheckpoints(dist, rm.checkpoint_every)
-    resumed = checkpoints.resume({"model": engine})
+    resumed = checkpoints.begin({"model": engine}, guard, tracker, params={
+        "model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
+        "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
+        "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
+        "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
+        "reward.zero_stage": dist.zero_stage, "reward.sft_model": inputs["sft_model"]})
     done = resumed["step"] if resumed else 0
-    if resumed:
-        guard.load_state_dict(resumed["guard"])
     if dist.is_main:
-        if not resumed:
-            tracker.log_params({"model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
-                                "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
-                                "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
-                                "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
-                                "reward.zero_stage": (dist.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none"),
-                                "reward.sft_model": inputs["sft_model"]})
-        tracker.set_tags({"rlhf.resumed_from": checkpoints.resumed_from.name if resumed else "none"})
-        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
         # Chosen and rejected answers of rm_train cut at reward.max_response_len (they end without EOS).
         tracker.log_metrics({"data/cut_answers": count_cut([p.chosen_ids for p in train_set] +
                                                            [p.rejected_ids for p in train_set], tokenizer)}, step=0)
