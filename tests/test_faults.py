@@ -29,14 +29,17 @@ def runs_dir() -> Path:
 
 def new_checkpoint(before: set[Path], name: str, timeout: float = 300, stage: str = "ppo") -> Path:
     """The checkpoints folder of the pipeline run (not in `before`) in which checkpoint `name` of
-    `stage` appeared."""
+    `stage`, or a later one, appeared. Polled every 10 ms: a stage keeps only its newest checkpoint
+    or two, and the tiny SFT's steps take ~40 ms on a quiet machine, so checkpoint 2 lives ~80 ms."""
+    prefix, number = name.rsplit("-", 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for folder in set(runs_dir().iterdir()) - before:
-            if (folder / stage / "checkpoints" / name / checkpoint.MANIFEST).exists():
-                return folder / stage / "checkpoints"
-        time.sleep(0.2)
-    raise AssertionError(f"no checkpoint {name} appeared in {timeout} s")
+            for found in (folder / stage / "checkpoints").glob(f"{prefix}-*"):
+                if int(found.name.rsplit("-", 1)[1]) >= int(number) and (found / checkpoint.MANIFEST).exists():
+                    return folder / stage / "checkpoints"
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint {name} or later appeared in {timeout} s")
 
 
 def steps(run_id: str, name: str) -> list[int]:
@@ -50,8 +53,8 @@ def assert_every_step_once(run_id: str, iterations: int) -> None:
 
 def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: float, seed: int) -> Path:
     """Start `rlhf run ARGS` in its own session with its own ephemeral Prefect; SIGKILL it anywhere
-    in the 2.5 steps after checkpoint `first` of stage `checkpoints_of` appeared; its checkpoints
-    folder."""
+    in the 2.5 steps after checkpoint `first` (or a later one) of stage `checkpoints_of` appeared;
+    its checkpoints folder."""
     before = set(runs_dir().iterdir())
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *args], env=env, start_new_session=True,

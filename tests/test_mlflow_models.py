@@ -78,7 +78,9 @@ def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
         chat = pipeline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         assert chat == render_prompt(sources.load_tokenizer(str(folder), load_config("tiny").model), MESSAGES)
         generated = pipeline(chat, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)
-        assert generated[0]["generated_text"] == _greedy(folder, MESSAGES, NEW_TOKENS)
+        # Greedy, under the model's own generation config (test_a_chat_model_samples_as_the_eval_stage_did)
+        penalty = load_config("tiny").eval.generation.repetition_penalty
+        assert generated[0]["generated_text"] == _greedy(folder, MESSAGES, NEW_TOKENS, penalty)
 
     # The version's logged model is the PPO run's, and its id (the `_model_artifact` output) and
     # `runs:/<run>/model` name the same folder.
