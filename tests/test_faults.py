@@ -56,7 +56,11 @@ def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: f
     in the 2.5 steps after checkpoint `first` (or a later one) of stage `checkpoints_of` appeared;
     its checkpoints folder."""
     before = set(runs_dir().iterdir())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    # RLHF_SUPERVISED=1: this process does the work itself. Unset, `rlhf run` would run it in a child
+    # of its own session (flows/cli.py `_supervise`), which the SIGKILL of this group never reaches:
+    # it went on training until its next write to the closed pipe, sometimes writing one more
+    # checkpoint after the test had read the newest (resumed from step-000004, expected step-000002).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, "RLHF_SUPERVISED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *args], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
