@@ -178,7 +178,7 @@ def own_sources(data: DataConfig) -> dict[str, str]:
     return {split: getattr(data, field) for split, field in OWN_SOURCES.items() if getattr(data, field)}
 
 
-def _column(record: dict, data: DataConfig, ours: str) -> str:
+def _column(data: DataConfig, ours: str) -> str:
     """The file's name for our column `ours` (data.columns maps it)."""
     return data.columns.get(ours, ours)
 
@@ -186,7 +186,7 @@ def _column(record: dict, data: DataConfig, ours: str) -> str:
 def _user_prompt(record: dict, data: DataConfig, source: str) -> list[dict]:
     """The prompt's turns from a `prompt` column (a string, or messages) or a `messages` column."""
     row = record.get("_row")
-    prompt, messages = _column(record, data, "prompt"), _column(record, data, "messages")
+    prompt, messages = _column(data, "prompt"), _column(data, "messages")
     if prompt in record:
         if isinstance(record[prompt], str):
             text = _text(record, prompt, source, row)
@@ -215,7 +215,7 @@ def parse_sft_example(record: dict, data: DataConfig, source: str) -> dict:
     """An SFT row → {row, prompt, messages, chosen}: TRL's `messages` (the last turn is the answer)
     or `prompt` + `completion`."""
     row = record.get("_row")
-    messages, completion = _column(record, data, "messages"), _column(record, data, "completion")
+    messages, completion = _column(data, "messages"), _column(data, "completion")
     try:
         if completion in record:
             turns = _user_prompt({k: v for k, v in record.items() if k != messages}, data, source)
