@@ -6,6 +6,7 @@ everything at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -55,9 +56,29 @@ class Command:
         os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
 
     def finish(self, timeout: float = 600) -> int:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:g} s; where its threads were:\n"
+                                 f"{self.stacks_and_kill()[-12000:]}") from None
         self.reader.join(timeout=10)
         return code
+
+    def stacks_and_kill(self) -> str:
+        """Every `rlhf` process of this command prints its threads' stacks (SIGUSR1, flows/cli.py);
+        then the command and all it started are killed; its output."""
+        tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                if "flows.cli" in proc.cmdline():
+                    proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        self.proc.wait(30)
+        self.reader.join(timeout=10)
+        return self.text()
 
 
 def flow_run_state(pipeline_run_id: str) -> str:
