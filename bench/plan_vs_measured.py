@@ -9,6 +9,14 @@ RSS (getrusage ru_maxrss) − the baseline: what the stage added, as the plan pr
 number is the stage's per-device peak (`StagePlan.peak`).
 
     python bench/plan_vs_measured.py --preset demo [--steps 2] [--stages sft,reward,ppo] [--set k=v ...]
+                                     [--fixed-mmap-threshold]
+
+glibc's malloc serves blocks under its mmap threshold from the heap and keeps them after `free`;
+the threshold rises (dynamically, up to 32 MiB) to the largest block freed so far. A model whose
+per-step tensors stay under 32 MiB (the tiny preset's) thus holds freed activations in its RSS,
+above the live tensors the plan counts; the demo's larger tensors are mmapped and returned.
+`--fixed-mmap-threshold` runs each stage with MALLOC_MMAP_THRESHOLD_=131072 (fixed at 128 KiB),
+which measures the live tensors alone.
 
 It prints one row per stage: predicted, measured, their ratio, and each child's JSON line.
 """
@@ -73,6 +81,12 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     dist = Dist()
     predicted = plan.plan(cfg, stages=[stage], device="cpu").stages[0]
+    # The code every stage runs is imported before the baseline: modules are not what the plan
+    # predicts (tensors are), and transformers/deepspeed pull in megabytes of them lazily.
+    import stages.ppo.experience  # noqa: F401
+    import stages.ppo.trainer  # noqa: F401
+    import stages.reward.stage  # noqa: F401
+    import stages.sft  # noqa: F401
     import gc
 
     gc.collect()
@@ -164,6 +178,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--stages", default="sft,reward,ppo")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--fixed-mmap-threshold", action="store_true",
+                        help="measure with glibc's mmap threshold fixed at 128 KiB (freed blocks go back to the OS)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -173,7 +189,8 @@ def main() -> None:
     for stage in args.stages.split(","):
         cmd = [sys.executable, __file__, "--child", stage, "--preset", args.preset, "--steps", str(args.steps),
                *[a for o in args.overrides for a in ("--set", o)]]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if args.fixed_mmap_threshold else {})}
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
             raise SystemExit(f"{stage}: measurement failed\n{out.stderr[-3000:]}")

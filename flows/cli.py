@@ -425,11 +425,12 @@ def _die_with_the_supervisor() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import faulthandler
-    import signal
+    if argv is None:  # the console command (not a caller's main([...]), whose stderr may be no file)
+        import faulthandler
+        import signal
 
-    # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv is None and sys.argv[1:2] in (["run"], ["study"]):
         if os.environ.get(SUPERVISED) != "1":
             return _supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)

@@ -18,7 +18,9 @@ per device by component:
 - logits (`logit_bytes_per_token`): [tokens × vocabulary] in the compute dtype, its fp32 upcast and
   log-softmax, and the gradient flowing back through them — for small models with big
   vocabularies often the largest term;
-- the generation KV cache: 2 · layers · kv heads · head dim · (prompt + new tokens) · batch · bytes.
+- the generation KV cache: 2 · layers · kv heads · head dim · (prompt + new tokens) · batch · bytes;
+- on CPU in fp32, the Llama decoder's MKL-packed copy of the actor's weights (`packed_weight_bytes`),
+  held while it samples.
 
 A stage's peak per device is its model states plus the largest of its phases' transient memory
 (PPO's rollout — KV cache, the reference's and reward model's forward — and its training step
@@ -28,6 +30,7 @@ never overlap). Every count is a formula of the config: `Plan.table()` prints th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -62,6 +65,7 @@ class Architecture:
     tie_word_embeddings: bool
     head_dim: int | None = None
     source: str = ""
+    model_type: str = "llama"  # config.json's model_type: which fast path (stages/models) runs it
 
     @property
     def head_size(self) -> int:
@@ -100,7 +104,8 @@ class Architecture:
                        intermediate_size=int(values["intermediate_size"]), vocab_size=int(values["vocab_size"]),
                        # transformers' Llama default; a config that ties says so
                        tie_word_embeddings=bool(values.get("tie_word_embeddings", False)),
-                       head_dim=values.get("head_dim"), source=source)
+                       head_dim=values.get("head_dim"), source=source,
+                       model_type=str(values.get("model_type", "llama")))
         except KeyError as err:
             raise PlanError(f"{source}: no {err.args[0]} in the model config; pass --architecture with a config.json "
                             f"(hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
@@ -317,6 +322,27 @@ def inference_bytes(arch: Architecture, rows: int, length: int, logit_positions:
     return working + rows * logit_positions * arch.vocab_size * (element + 8)
 
 
+def packed_weight_bytes(arch: Architecture, rows: int) -> int:
+    """The fast decoder's MKL-packed weights for `rows` sampled at once (stages/models/llama.py
+    `PackedLinear`, CPU fp32 only): per layer q·k·v, o, gate·up and down, and the LM head. MKL's
+    packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight
+    on SmolLM2's shapes), so the sizes are asked of MKL itself, each shape once."""
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_size, arch.kv_size
+    layer = [(q + 2 * kv, h), (h, q), (2 * arch.intermediate_size, h), (h, arch.intermediate_size)]
+    return (arch.num_hidden_layers * sum(_mkl_packed_bytes(shape, rows) for shape in layer)
+            + _mkl_packed_bytes((arch.vocab_size, h), rows))
+
+
+@functools.lru_cache(maxsize=None)
+def _mkl_packed_bytes(shape: tuple[int, int], rows: int) -> int:
+    import torch
+
+    from stages.models.llama import _mkl_pack
+
+    packed = _mkl_pack(torch.zeros(shape), rows)
+    return 0 if packed is None else packed.numel() * packed.element_size()
+
+
 def kv_cache_bytes(arch: Architecture, rows: int, length: int, element: int) -> int:
     """The generation KV cache: 2 (K and V) · layers · kv heads · head dim · tokens · rows · bytes."""
     return 2 * arch.num_hidden_layers * arch.kv_size * length * rows * element
@@ -462,7 +488,12 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # Rollout: the actor's KV cache while it samples, then no-grad forwards of the reference,
         # the critic and the reward model one after another; the larger of the two counts.
         kv = kv_cache_bytes(arch, rollout_rows, length, element)
-        actor.rollout = max(kv + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
+        from stages.models import FAST_PATHS
+
+        packed = (packed_weight_bytes(arch, rollout_rows) if device == "cpu" and resolved == "fp32"
+                  and cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS and (sharding.zero or 0) < 3
+                  else 0)
+        actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
                             inference_bytes(arch, rollout_rows, length, new, element))
         # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive
         # before the first backward (stages/ppo/trainer.py `optimise`).

@@ -29,7 +29,8 @@ def test_the_table_has_every_stage_and_role_and_a_total_per_device(capsys):
     # the rollout and the training step never overlap: states + the larger phase
     assert ppo.peak == ppo.states + max(ppo.phases["train"], ppo.phases["rollout"])
     assert ppo.roles[1].grads == ppo.roles[1].optimizer == 0  # the reference is frozen
-    assert ppo.roles[0].rollout == max(plan.kv_cache_bytes(predicted.arch, 16, 64 + 16, 4) + 16 * 1024 * 16,
+    assert ppo.roles[0].rollout == max(plan.kv_cache_bytes(predicted.arch, 16, 64 + 16, 4)
+                                       + plan.packed_weight_bytes(predicted.arch, 16) + 16 * 1024 * 16,
                                        plan.inference_bytes(predicted.arch, 16, 80, 16, 4))
 
     assert main(["plan", "--preset", "tiny", "--device", "cpu", "--device-memory", "24"]) == 0
@@ -133,6 +134,41 @@ def test_gradient_checkpointing_keeps_layer_inputs_only():
     assert off.activations == arch.num_hidden_layers * plan.layer_activation_bytes(arch, 4) * tokens
     assert on.activations == (arch.num_hidden_layers * 4 * arch.hidden_size + plan.layer_activation_bytes(arch, 4)) * tokens
     assert on.activations < off.activations and on.logits == off.logits and on.states == off.states
+
+
+def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights():
+    """The fast decoder packs the actor's weights for MKL (stages/models/llama.py PackedLinear): a copy
+    padded to 5.6 MB a matrix at least, held while it samples. The plan's rollout counts exactly the
+    bytes a real decoder on the tiny model holds, on CPU in fp32 only."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.models import llama
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("a torch build without MKL packs nothing")
+    cfg = load_config("tiny")
+    arch = plan.read_architecture(cfg.model)
+    init = cfg.model.random_init
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=arch.vocab_size, hidden_size=init.hidden_size,
+                                         intermediate_size=init.intermediate_size,
+                                         num_hidden_layers=init.num_hidden_layers,
+                                         num_attention_heads=init.num_attention_heads,
+                                         num_key_value_heads=init.num_key_value_heads, tie_word_embeddings=True))
+    rows = cfg.ppo.rollout_batch_size
+    decoder = llama.Decoder(model, torch.ones(rows, 8, dtype=torch.long), torch.ones(rows, 8, dtype=torch.long), 4)
+    linears = [decoder.lm_head, *(m for layer in decoder.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    held = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    assert held > 5 * sum(m.weight.numel() * 4 for m in linears)  # the padding: far more than the weights
+    assert plan.packed_weight_bytes(arch, rows) == held
+
+    def rollout(*overrides: str) -> int:
+        return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
+                         memory_gib=24).stages[0].phases["rollout"]
+
+    # the KV-cache branch of the rollout now holds the packed copy too (and is the larger branch)
+    assert held < rollout() <= held + rollout("model.fast_path=off")
+    assert rollout("model.precision=bf16") == rollout("model.precision=bf16", "model.fast_path=off")
 
 
 def test_the_presets_fit_a_24_gib_machine_and_a_7b_plan_needs_zero3_on_80_gib_gpus():
