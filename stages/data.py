@@ -10,6 +10,7 @@ last "\\n\\nAssistant:", the answer what follows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -112,6 +113,18 @@ def _answer(turns: list[dict], what: str) -> str:
     return turns[0]["content"]
 
 
+@contextlib.contextmanager
+def _row_rule(source: str, row: int | None, what: str):
+    """A ValueError raised inside (a parser's broken rule) becomes a DataError naming the file, the
+    row and the rule: "not <what>: <rule>"; a DataError raised inside already names them."""
+    try:
+        yield
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(source, row, f"not {what}: {err}") from None
+
+
 def answers(record: dict, data: DataConfig, source: str) -> tuple[list[dict], str, list[dict], str]:
     """(chosen's prompt turns, chosen answer, rejected's prompt turns, rejected answer) of one raw
     row, whatever its format; a row that cannot be read is a DataError naming file, row and rule."""
@@ -123,7 +136,7 @@ def answers(record: dict, data: DataConfig, source: str) -> tuple[list[dict], st
     for column in ("prompt", "chosen", "rejected") if fmt in ("standard", "conversational") else ("chosen", "rejected"):
         if column not in record:
             raise DataError(source, row, f"missing column {named[column]} for the {fmt} format (columns: {columns})")
-    try:
+    with _row_rule(source, row, FORMAT_NAMES[fmt]):
         if fmt == "hh":
             prompt, chosen = split_dialogue(_text(record, "chosen", source, row))
             rejected_prompt, rejected = split_dialogue(_text(record, "rejected", source, row))
@@ -146,10 +159,6 @@ def answers(record: dict, data: DataConfig, source: str) -> tuple[list[dict], st
         rejected_answer = _answer(rejected[-1:], "rejected's last turn")
         return (_prompt_turns(chosen[:-1], "chosen's turns before its answer"), chosen_answer,
                 _prompt_turns(rejected[:-1], "rejected's turns before its answer"), rejected_answer)
-    except DataError:  # already names the file, row and rule
-        raise
-    except ValueError as err:
-        raise DataError(source, row, f"not {FORMAT_NAMES[fmt]}: {err}") from None
 
 
 def parse_pair(record: dict, data: DataConfig, source: str) -> tuple[dict, list[str]]:
@@ -200,12 +209,8 @@ def _user_prompt(record: dict, data: DataConfig, source: str) -> list[dict]:
 
 def parse_prompt(record: dict, data: DataConfig, source: str) -> dict:
     """A prompt-only row (PPO or evaluation prompts) → {row, prompt, messages}."""
-    try:
+    with _row_rule(source, record.get("_row"), "a prompt"):
         messages = _user_prompt(record, data, source)
-    except DataError:
-        raise
-    except ValueError as err:
-        raise DataError(source, record.get("_row"), f"not a prompt: {err}") from None
     if not any(m["content"] for m in messages):
         raise DataError(source, record.get("_row"), "empty prompt")
     return {"row": record.get("_row"), "prompt": dialogue_text(messages), "messages": messages}
@@ -216,7 +221,7 @@ def parse_sft_example(record: dict, data: DataConfig, source: str) -> dict:
     or `prompt` + `completion`."""
     row = record.get("_row")
     messages, completion = _column(data, "messages"), _column(data, "completion")
-    try:
+    with _row_rule(source, row, "an SFT example"):
         if completion in record:
             turns = _user_prompt({k: v for k, v in record.items() if k != messages}, data, source)
             value = record[completion]
@@ -230,10 +235,6 @@ def parse_sft_example(record: dict, data: DataConfig, source: str) -> dict:
             columns = ", ".join(k for k in record if k != "_row")
             raise DataError(source, row, f"missing column '{messages}', or '{completion}' with a prompt, for an SFT "
                                          f"example (columns: {columns})")
-    except DataError:
-        raise
-    except ValueError as err:
-        raise DataError(source, row, f"not an SFT example: {err}") from None
     if not answer:
         raise DataError(source, row, "empty answer")
     return {"row": row, "prompt": dialogue_text(turns), "messages": turns, "chosen": answer}

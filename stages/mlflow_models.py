@@ -21,7 +21,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from stages.config import GenerationConfig, ModelConfig
+from stages.config import GenerationConfig, PipelineConfig
 
 Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
 
@@ -48,7 +48,11 @@ def generation_defaults(sampling: GenerationConfig, tokenizer):
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
-def chat(model_cfg: ModelConfig, sampling: GenerationConfig) -> Pack:
+def chat(cfg: PipelineConfig) -> Pack:
+    """A chat model (SFT, policy): transformers flavor, task llm/v1/chat, generating as the eval stage
+    sampled its judged answers (`eval.generation`)."""
+    model_cfg, sampling = cfg.model, cfg.eval.generation
+
     def pack(folder: Path, path: Path, mlflow_model) -> None:
         import mlflow.transformers
         from transformers import AutoTokenizer

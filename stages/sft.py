@@ -100,9 +100,10 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     # Counted here, not in the data stage: that stage has no tokenizer (the tiny preset's is
     # trained on its splits), and max_response_len is this stage's setting.
     cut_responses = count_cut([ids for ids, _ in train_set], tokenizer)
-    heldout_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")
-    if heldout_rows and "chosen" not in heldout_rows[0]:  # prompts from a prompt-only file: no answers to score
-        heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")
+    # Evaluation prompts from a prompt-only source of their own have no answers to score: the held-out
+    # loss reads the preference pairs' held-out split instead.
+    heldout_split = "rm_eval" if cfg.data.eval_prompts_source else "eval_prompts"
+    heldout_rows = read_jsonl(splits_dir / f"{heldout_split}.jsonl")
     heldout = encode(heldout_rows[: sft.heldout_prompts])
 
     per_rank = sft.micro_batch_size * sft.grad_accum_steps
@@ -200,7 +201,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                                           sft.probe_max_new_tokens, sft.max_seq_len))
 
         published = tracker.publish_model(
-            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model, cfg.eval.generation), inspect=held_out_probe,
+            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg), inspect=held_out_probe,
             lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{ppl_before:.4f}",
                      "rlhf.perplexity_after": f"{ppl_after:.4f}"})
         probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])

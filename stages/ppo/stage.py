@@ -264,7 +264,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
         if critic is None:  # a critic-free estimator read no critic, whatever the inputs held
             lineage["rlhf.input.critic_model"] = ""
-        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg.model, cfg.eval.generation), lineage=lineage)
+        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg), lineage=lineage)
         outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
     return outputs
