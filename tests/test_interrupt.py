@@ -7,6 +7,7 @@ everything at once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from pipeline_helpers import TRL_NAMES, stage_run
 
 from stages import tracking
@@ -26,8 +28,8 @@ class Command:
     """`rlhf run ARGS` as a user starts it (the console command; its own process group, as a
     terminal gives it), its output collected."""
 
-    def __init__(self, *args: str):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # its own Prefect API
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, **(env or {})}  # its own Prefect API
         self.proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *args], env=env, start_new_session=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.output = bytearray()
@@ -99,7 +101,7 @@ def test_ctrl_c_during_ppo_checkpoints_ends_killed_and_resumes_with_every_step_o
                   *(a for o in overrides for a in ("--set", o)))
     run.wait_for(rf"\| *([3-9]|1\d)/{iterations} ")  # a few iterations in
     run.ctrl_c()
-    assert run.finish(timeout=300) == 130
+    assert run.finish(timeout=300) == 130, run.text()[-6000:]
     stopped = re.search(rf"stage ppo stopped on request after iteration (\d+) of {iterations}; checkpoint (\S+)\. "
                         r"Resume with: \S*rlhf run --resume ([0-9a-f]{32})", run.text())
     assert stopped, run.text()[-3000:]
@@ -119,27 +121,51 @@ def test_ctrl_c_during_ppo_checkpoints_ends_killed_and_resumes_with_every_step_o
         assert steps == list(range(1, iterations + 1)), name
 
 
-def test_ctrl_c_during_eval_stops_it_and_a_second_ends_everything_at_once(full_run):
-    run = Command("--preset", "tiny", "--stages", "eval", "--from-run", full_run)
-    run.wait_for(r"eval: C-Eval 0-shot, sft")
+# A judge that takes its time: the tiny eval's other parts take milliseconds on a quiet machine
+# (C-Eval 0-shot to the last judge in 0.17 s), less than the test needs to see a line and signal,
+# so a Ctrl-C sent on seeing one could land after the stage's last stop point (the run then finished
+# with 0). Sent while this judge scores, it lands before the next judge's stop point.
+SLOW_JUDGE = """import time
+
+def score(prompts, responses):
+    print("slow judge: scoring", flush=True)
+    time.sleep(3)
+    return [0.0] * len(responses)
+"""
+
+
+@pytest.fixture
+def slow_eval(tmp_path) -> tuple[list[str], dict[str, str]]:
+    """(--set arguments, environment) for an eval stage whose first judge scores for 3 s."""
+    (tmp_path / "slow_judge.py").write_text(SLOW_JUDGE)
+    judges = [{"kind": "reward_source", "name": "slow", "source": "python:slow_judge:score"}, {"kind": "reward_model"}]
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    return ["--set", f"eval.judges={json.dumps(judges)}"], {"PYTHONPATH": pythonpath}
+
+
+def test_ctrl_c_during_eval_stops_it_and_a_second_ends_everything_at_once(full_run, slow_eval):
+    overrides, env = slow_eval
+    run = Command("--preset", "tiny", "--stages", "eval", "--from-run", full_run, *overrides, env=env)
+    run.wait_for(r"slow judge: scoring")
     run.ctrl_c()
-    assert run.finish(timeout=300) == 130
+    assert run.finish(timeout=300) == 130, run.text()[-6000:]
     stopped = re.search(r"stage eval stopped on request before (.+?)\. Resume with: \S*rlhf run --resume "
                         r"([0-9a-f]{32})", run.text())
     assert stopped, run.text()[-3000:]
+    assert stopped.group(1) == "judge reward_model"  # the Ctrl-C landed while the slow judge scored
     assert stage_run(stopped.group(2), "eval").info.status == "KILLED"
     assert tracking.client().get_run(stopped.group(2)).info.status == "KILLED"
     assert "Traceback" not in run.text() and "ConnectError" not in run.text()
 
-    again = Command("--preset", "tiny", "--stages", "eval", "--from-run", full_run)
+    again = Command("--preset", "tiny", "--stages", "eval", "--from-run", full_run, *overrides, env=env)
     pipeline_id = again.wait_for(r"pipeline run ([0-9a-f]{32})").group(1)
-    again.wait_for(r"eval: C-Eval 0-shot, sft")
+    again.wait_for(r"slow judge: scoring")
     session = [p for p in psutil.Process(again.proc.pid).children(recursive=True)]
     again.ctrl_c()
     time.sleep(0.05)
     again.ctrl_c()
     started = time.monotonic()
-    assert again.finish(timeout=60) == 130 and time.monotonic() - started < 30
+    assert again.finish(timeout=60) == 130 and time.monotonic() - started < 30, again.text()[-6000:]
     assert re.search(rf"second SIGINT: stopped at once; continue it with: \S*rlhf run --resume {pipeline_id}",
                      again.text())
     gone, alive = psutil.wait_procs(session, timeout=10)
