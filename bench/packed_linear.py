@@ -1,0 +1,87 @@
+"""Do the fast decoder's MKL-packed fp32 weights still win on this CPU? (issue 19 item 3)
+
+The Llama decode step (stages/models/llama.py `PackedLinear`) multiplies a batch of one token per
+row by each weight; on CPU in fp32 it packs the weights for the batch size with MKL's packed GEMM.
+The packed copies cost memory (MKL pads each matrix: `plan.packed_weight_bytes`), so they must pay
+in speed. This times one decode step's linear layers (every layer's q·k·v, o, gate·up, down and the
+LM head, at the model's shapes) three ways, interleaved in turns, and prints the medians, the
+packed/plain time ratio and the bytes held:
+
+- plain fp32: `F.linear` on the fp32 weights (what `model.fast_path` takes without packing);
+- packed fp32: `torch.ops.mkl._mkl_linear` on the packed weights (what the decoder takes today);
+- plain bf16: `F.linear` on bf16 weights (the bf16 path, for reference).
+
+    .venv/bin/python bench/packed_linear.py [--preset demo] [--batch 8 16] [--turns 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stages import plan, precision  # noqa: E402
+from stages.config import load_config  # noqa: E402
+from stages.models.llama import _mkl_pack  # noqa: E402
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 16], help="rows decoded at once")
+    parser.add_argument("--turns", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=5, help="decode steps timed per turn")
+    args = parser.parse_args()
+    arch = plan.read_architecture(load_config(args.preset).model)
+    h, q, kv, i = arch.hidden_size, arch.num_attention_heads * arch.head_size, arch.kv_size, arch.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * arch.num_hidden_layers + [(arch.vocab_size, h)]
+    print(f"{cpu_name()}; native bf16 flags: {', '.join(precision.cpu_bf16_flags()) or 'none'}; "
+          f"MKL: {torch.backends.mkl.is_available()}; {torch.get_num_threads()} threads; {arch.source}")
+    torch.manual_seed(0)
+    weights = [torch.randn(*shape) * 0.02 for shape in shapes]
+    weights_bf16 = [w.bfloat16() for w in weights]
+    for batch in args.batch:
+        packed = [_mkl_pack(w, batch) for w in weights]
+        if any(p is None for p in packed):
+            raise SystemExit("this torch build has no MKL packed GEMM")
+        xs = [torch.randn(batch, w.shape[1]) for w in weights]
+        xs_bf16 = [x.bfloat16() for x in xs]
+        ways = {
+            "plain fp32": lambda: [F.linear(x, w) for w, x in zip(weights, xs)],
+            "packed fp32": lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, batch) for w, p, x in zip(weights, packed, xs)],
+            "plain bf16": lambda: [F.linear(x, w) for w, x in zip(weights_bf16, xs_bf16)],
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in ways}
+        for turn in range(args.turns):  # interleaved, the order reversed every other turn
+            for name in list(ways)[:: 1 if turn % 2 else -1]:
+                started = time.perf_counter()
+                for _ in range(args.reps):
+                    ways[name]()
+                seconds[name].append((time.perf_counter() - started) / args.reps)
+        ms = {name: 1000 * statistics.median(values) for name, values in seconds.items()}
+        ratios = [p / f for p, f in zip(seconds["packed fp32"], seconds["plain fp32"])]
+        packed_gib = sum(p.numel() * p.element_size() for p in packed) / 2**30
+        weight_gib = sum(w.numel() * 4 for w in weights) / 2**30
+        print(f"batch {batch}: one decode step's linears, median ms: "
+              + ", ".join(f"{name} {value:.1f}" for name, value in ms.items())
+              + f"; packed / plain fp32 time ×{statistics.median(ratios):.2f} (turns {min(ratios):.2f}–{max(ratios):.2f})"
+              f"; packed copies {packed_gib:.2f} GiB beside {weight_gib:.2f} GiB of fp32 weights")
+
+
+if __name__ == "__main__":
+    main()
