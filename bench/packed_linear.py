@@ -48,8 +48,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="decode steps timed per turn")
     args = parser.parse_args()
     arch = plan.read_architecture(load_config(args.preset).model)
-    h, q, kv, i = arch.hidden_size, arch.num_attention_heads * arch.head_size, arch.kv_size, arch.intermediate_size
-    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * arch.num_hidden_layers + [(arch.vocab_size, h)]
+    shapes = plan.decode_linear_shapes(arch)
     print(f"{cpu_name()}; native bf16 flags: {', '.join(precision.cpu_bf16_flags()) or 'none'}; "
           f"MKL: {torch.backends.mkl.is_available()}; {torch.get_num_threads()} threads; {arch.source}")
     torch.manual_seed(0)

@@ -322,15 +322,18 @@ def inference_bytes(arch: Architecture, rows: int, length: int, logit_positions:
     return working + rows * logit_positions * arch.vocab_size * (element + 8)
 
 
+def decode_linear_shapes(arch: Architecture) -> list[tuple[int, int]]:
+    """The [out × in] weights the fast decoder multiplies per token (stages/models/llama.py
+    `Decoder`): every layer's fused q·k·v, o, fused gate·up and down, then the LM head."""
+    h, q, kv, i = arch.hidden_size, arch.num_attention_heads * arch.head_size, arch.kv_size, arch.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * arch.num_hidden_layers + [(arch.vocab_size, h)]
+
+
 def packed_weight_bytes(arch: Architecture, rows: int) -> int:
-    """The fast decoder's MKL-packed weights for `rows` sampled at once (stages/models/llama.py
-    `PackedLinear`, CPU fp32 only): per layer q·k·v, o, gate·up and down, and the LM head. MKL's
-    packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight
-    on SmolLM2's shapes), so the sizes are asked of MKL itself, each shape once."""
-    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_size, arch.kv_size
-    layer = [(q + 2 * kv, h), (h, q), (2 * arch.intermediate_size, h), (h, arch.intermediate_size)]
-    return (arch.num_hidden_layers * sum(_mkl_packed_bytes(shape, rows) for shape in layer)
-            + _mkl_packed_bytes((arch.vocab_size, h), rows))
+    """The fast decoder's MKL-packed weights for `rows` sampled at once (`PackedLinear`, CPU fp32
+    only). MKL's packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7×
+    the weight on SmolLM2's shapes), so the sizes are asked of MKL itself, each shape once."""
+    return sum(_mkl_packed_bytes(shape, rows) for shape in decode_linear_shapes(arch))
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,7 +69,8 @@ class Command:
     def stacks_and_kill(self) -> str:
         """Every `rlhf` process of this command prints its threads' stacks (SIGUSR1, flows/cli.py);
         then the command and all it started are killed; its output."""
-        tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        command = psutil.Process(self.proc.pid)
+        tree = [command, *command.children(recursive=True)]
         for proc in tree:
             with contextlib.suppress(psutil.Error):
                 if "flows.cli" in proc.cmdline():
