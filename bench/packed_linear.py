@@ -1,14 +1,15 @@
 """Do the fast decoder's MKL-packed fp32 weights still win on this CPU? (issue 19 item 3)
 
 The Llama decode step (stages/models/llama.py `PackedLinear`) multiplies a batch of one token per
-row by each weight; on CPU in fp32 it packs the weights for the batch size with MKL's packed GEMM.
+row by each weight; on an Intel CPU in fp32 it packs the weights for the batch size with MKL's
+packed GEMM (`mkl_packing_pays`: Intel only, since on an AMD EPYC packing lost).
 The packed copies cost memory (MKL pads each matrix: `plan.packed_weight_bytes`), so they must pay
 in speed. This times one decode step's linear layers (every layer's q·k·v, o, gate·up, down and the
 LM head, at the model's shapes) three ways, interleaved in turns, and prints the medians, the
 packed/plain time ratio and the bytes held:
 
-- plain fp32: `F.linear` on the fp32 weights (what `model.fast_path` takes without packing);
-- packed fp32: `torch.ops.mkl._mkl_linear` on the packed weights (what the decoder takes today);
+- plain fp32: `F.linear` on the fp32 weights (what the decoder takes on other CPUs);
+- packed fp32: `torch.ops.mkl._mkl_linear` on the packed weights (what the decoder takes on Intel CPUs);
 - plain bf16: `F.linear` on bf16 weights (the bf16 path, for reference).
 
     .venv/bin/python bench/packed_linear.py [--preset demo] [--batch 8 16] [--turns 7]

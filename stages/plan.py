@@ -19,7 +19,7 @@ per device by component:
   log-softmax, and the gradient flowing back through them — for small models with big
   vocabularies often the largest term;
 - the generation KV cache: 2 · layers · kv heads · head dim · (prompt + new tokens) · batch · bytes;
-- on CPU in fp32, the Llama decoder's MKL-packed copy of the actor's weights (`packed_weight_bytes`),
+- on an Intel CPU in fp32, the Llama decoder's MKL-packed copy of the actor's weights (`packed_weight_bytes`),
   held while it samples.
 
 A stage's peak per device is its model states plus the largest of its phases' transient memory
@@ -330,8 +330,8 @@ def decode_linear_shapes(arch: Architecture) -> list[tuple[int, int]]:
 
 
 def packed_weight_bytes(arch: Architecture, rows: int) -> int:
-    """The fast decoder's MKL-packed weights for `rows` sampled at once (`PackedLinear`, CPU fp32
-    only). MKL's packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7×
+    """The fast decoder's MKL-packed weights for `rows` sampled at once (`PackedLinear`, Intel
+    CPUs, fp32 only). MKL's packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7×
     the weight on SmolLM2's shapes), so the sizes are asked of MKL itself, each shape once."""
     return sum(_mkl_packed_bytes(shape, rows) for shape in decode_linear_shapes(arch))
 
@@ -492,10 +492,11 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # the critic and the reward model one after another; the larger of the two counts.
         kv = kv_cache_bytes(arch, rollout_rows, length, element)
         from stages.models import FAST_PATHS
+        from stages.models.llama import mkl_packing_pays
 
         packed = (packed_weight_bytes(arch, rollout_rows) if device == "cpu" and resolved == "fp32"
                   and cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS and (sharding.zero or 0) < 3
-                  else 0)
+                  and mkl_packing_pays() else 0)
         actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
                             inference_bytes(arch, rollout_rows, length, new, element))
         # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive

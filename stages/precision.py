@@ -27,18 +27,30 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @cache
-def cpu_bf16_flags() -> tuple[str, ...]:
-    """The CPU's native bf16 matmul flags (Linux /proc/cpuinfo), in BF16_CPU_FLAGS order."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in Linux /proc/cpuinfo (empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ()
-    flags = set()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
+        if not line.strip():
             break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """The CPU's native bf16 matmul flags, in BF16_CPU_FLAGS order."""
+    flags = set(_cpuinfo().get("flags", "").split())
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in flags)
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id: GenuineIntel, AuthenticAMD, … ('' where /proc/cpuinfo does not say)."""
+    return _cpuinfo().get("vendor_id", "")
 
 
 def native_bf16(device: str | torch.device) -> bool:

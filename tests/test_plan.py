@@ -136,18 +136,14 @@ def test_gradient_checkpointing_keeps_layer_inputs_only():
     assert on.activations < off.activations and on.logits == off.logits and on.states == off.states
 
 
-def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights():
-    """The fast decoder packs the actor's weights for MKL (stages/models/llama.py PackedLinear): a copy
-    padded to 5.6 MB a matrix at least, held while it samples. The plan's rollout counts exactly the
-    bytes a real decoder on the tiny model holds, on CPU in fp32 only."""
+def tiny_decoder_linears(cfg):
+    """A real fast decoder on the tiny preset's model shape, sampling `ppo.rollout_batch_size` rows:
+    its linear layers (stages/models/llama.py PackedLinear)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from stages.models import llama
 
-    if not torch.backends.mkl.is_available():
-        pytest.skip("a torch build without MKL packs nothing")
-    cfg = load_config("tiny")
     arch = plan.read_architecture(cfg.model)
     init = cfg.model.random_init
     model = LlamaForCausalLM(LlamaConfig(vocab_size=arch.vocab_size, hidden_size=init.hidden_size,
@@ -157,7 +153,25 @@ def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights():
                                          num_key_value_heads=init.num_key_value_heads, tie_word_embeddings=True))
     rows = cfg.ppo.rollout_batch_size
     decoder = llama.Decoder(model, torch.ones(rows, 8, dtype=torch.long), torch.ones(rows, 8, dtype=torch.long), 4)
-    linears = [decoder.lm_head, *(m for layer in decoder.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    return [decoder.lm_head, *(m for layer in decoder.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+
+
+def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights(monkeypatch):
+    """The fast decoder packs the actor's weights for MKL (stages/models/llama.py PackedLinear): a copy
+    padded to 5.6 MB a matrix at least, held while it samples. The plan's rollout counts exactly the
+    bytes a real decoder on the tiny model holds, on CPU in fp32 only (on an Intel CPU: packing is
+    Intel-only, so the CPU is read as one here)."""
+    import torch
+
+    from stages.models import llama
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("a torch build without MKL packs nothing")
+    monkeypatch.setattr(llama, "cpu_vendor", lambda: "GenuineIntel")
+    cfg = load_config("tiny")
+    arch = plan.read_architecture(cfg.model)
+    rows = cfg.ppo.rollout_batch_size
+    linears = tiny_decoder_linears(cfg)
     held = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     assert held > 5 * sum(m.weight.numel() * 4 for m in linears)  # the padding: far more than the weights
     assert plan.packed_weight_bytes(arch, rows) == held
@@ -169,6 +183,33 @@ def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights():
     # the KV-cache branch of the rollout now holds the packed copy too (and is the larger branch)
     assert held < rollout() <= held + rollout("model.fast_path=off")
     assert rollout("model.precision=bf16") == rollout("model.precision=bf16", "model.fast_path=off")
+
+
+def test_the_decoder_packs_weights_for_mkl_on_intel_cpus_only_and_the_plan_counts_what_it_packs(monkeypatch):
+    """MKL's packed GEMM is Intel's fast path: on an AMD EPYC (bench/packed_linear.py) it was slower
+    than the plain product, and its padded copies cost memory. The decoder packs on
+    GenuineIntel CPUs only (this machine's vendor and, read as each, both kinds), and the plan's
+    rollout holds the packed bytes exactly where the decoder packs."""
+    import torch
+
+    from stages.models import llama
+    from stages.precision import cpu_vendor
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("a torch build without MKL packs nothing")
+    cfg = load_config("tiny")
+
+    def rollout(*overrides: str) -> int:
+        return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
+                         memory_gib=24).stages[0].phases["rollout"]
+
+    unpacked = rollout("model.fast_path=off")
+    for vendor in (cpu_vendor(), "GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(llama, "cpu_vendor", lambda: vendor, raising=False)  # absent before the rule
+        packs = [m.packed is not None for m in tiny_decoder_linears(cfg)]
+        intel = vendor == "GenuineIntel"
+        assert packs == [intel] * len(packs), f"{vendor!r}: packed {packs}"
+        assert (rollout() > unpacked) == intel, vendor  # the packed copy outweighs the tiny rollout's logits
 
 
 def test_the_presets_fit_a_24_gib_machine_and_a_7b_plan_needs_zero3_on_80_gib_gpus():

@@ -9,8 +9,8 @@ length] layout, scatters them back. The result is the same hidden states as the 
 (tests compare them), with zeros at pad positions.
 
 `Decoder`: our own decode step for the sampling loop. At small batch a decode step is bound by
-reading the weights: q|k|v and gate|up are one matrix product each; on CPU in fp32 the weights are
-packed once per rollout for the batch size (MKL's packed GEMM); attention reads the filled part of
+reading the weights: q|k|v and gate|up are one matrix product each; on an Intel CPU in fp32 the
+weights are packed once per rollout for the batch size (MKL's packed GEMM, `mkl_packing_pays`); attention reads the filled part of
 the cache only; the prompt goes through the padding-free body, which hands over its keys and values.
 """
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from stages.models.plain import partitioned, position_ids
+from stages.precision import cpu_vendor
 
 
 def forward_applies(base_model) -> bool:
@@ -170,9 +171,10 @@ class DecodeLayer:
 
 
 class PackedLinear:
-    """x Wᵀ + b for the given linear layers stacked by output, at a fixed batch size. On CPU in fp32
-    the weight is packed for that batch size (MKL's packed GEMM reads a weight faster at small
-    batch than the plain product); any other batch size, and bf16 weights, take the plain product."""
+    """x Wᵀ + b for the given linear layers stacked by output, at a fixed batch size. On CPU in fp32,
+    where packing pays (`mkl_packing_pays`), the weight is packed for that batch size (MKL's packed
+    GEMM reads a weight faster at small batch than the plain product); any other batch size, bf16
+    weights and other CPUs take the plain product."""
 
     def __init__(self, linears: list, batch: int):
         weights = [linear.weight.detach() for linear in linears]
@@ -181,12 +183,19 @@ class PackedLinear:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
         self.batch = batch
-        self.packed = _mkl_pack(self.weight, batch)
+        self.packed = _mkl_pack(self.weight, batch) if mkl_packing_pays() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.batch)
+
+
+def mkl_packing_pays() -> bool:
+    """Whether the decoder packs fp32 weights for MKL: on Intel CPUs only. MKL takes its fast packed
+    kernels on Intel's CPUs; on an AMD EPYC the packed product was slower than the plain one, and the
+    padded copies cost memory everywhere (bench/packed_linear.py measures both on the machine at hand)."""
+    return cpu_vendor() == "GenuineIntel"
 
 
 def _mkl_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
