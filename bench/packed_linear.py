@@ -18,7 +18,6 @@ packed/plain time ratio and the bytes held:
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -34,13 +33,6 @@ from stages.config import load_config  # noqa: E402
 from stages.models.llama import _mkl_pack  # noqa: E402
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo")
@@ -50,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     arch = plan.read_architecture(load_config(args.preset).model)
     shapes = plan.decode_linear_shapes(arch)
-    print(f"{cpu_name()}; native bf16 flags: {', '.join(precision.cpu_bf16_flags()) or 'none'}; "
+    print(f"{precision.cpu_name()} ({precision.cpu_vendor()}); native bf16 flags: {', '.join(precision.cpu_bf16_flags()) or 'none'}; "
           f"MKL: {torch.backends.mkl.is_available()}; {torch.get_num_threads()} threads; {arch.source}")
     torch.manual_seed(0)
     weights = [torch.randn(*shape) * 0.02 for shape in shapes]

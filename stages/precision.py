@@ -48,6 +48,11 @@ def cpu_bf16_flags() -> tuple[str, ...]:
     return tuple(flag for flag in BF16_CPU_FLAGS if flag in flags)
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    return _cpuinfo().get("model name", "unknown CPU")
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor id: GenuineIntel, AuthenticAMD, … ('' where /proc/cpuinfo does not say)."""
     return _cpuinfo().get("vendor_id", "")
