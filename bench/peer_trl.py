@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import Worker, finish, load_average, ready, report_turn, take_turns, trl_python, wait_for_turn
+from turns import Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python, wait_for_turn
 
 BENCH = Path(__file__).resolve().parent
 TRL_VENV = BENCH / ".venv-trl"
@@ -93,7 +93,7 @@ def run_trl(spec: dict) -> None:
         num_mini_batches=1, num_ppo_epochs=1, local_rollout_forward_batch_size=batch, total_episodes=batch * total,
         response_length=spec["response_length"], temperature=TEMPERATURE, kl_coef=KL_COEF, learning_rate=LEARNING_RATE,
         stop_token="eos", missing_eos_penalty=None, num_sample_generations=0, report_to=[], logging_steps=1,
-        save_strategy="no", use_cpu=True, seed=spec["seed"], max_grad_norm=1.0, dataloader_drop_last=True,
+        save_strategy="no", use_cpu=spec["device"] == "cpu", seed=spec["seed"], max_grad_norm=1.0, dataloader_drop_last=True,
         bf16=spec["trl_bf16"],
     )
     response_tokens: list[int] = []
@@ -116,6 +116,7 @@ def run_trl(spec: dict) -> None:
 
     class Turns(TrainerCallback):
         def on_step_end(self, args, state_, control, **kwargs):
+            synchronize()
             report_turn(seconds=time.perf_counter() - state["started"], response_tokens=response_tokens[-1],
                         prompt_tokens=prompt_tokens[-1])
             state["done"] += 1
@@ -146,11 +147,12 @@ def our_trainer(spec: dict):
 
     cfg = PipelineConfig.model_validate(spec["config"])
     torch.manual_seed(cfg.ppo.seed)
-    tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, spec["inputs"], Dist())
+    dist = Dist(device=spec["device"])
+    tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, spec["inputs"], dist)
     assert tokenizer.pad_token_id == spec["pad_id"], "both sides must pad with the same token"
     return PPOTrainer(cfg.ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn,
-                      prompts=spec["prompts"], ptx_examples=[], tokenizer=tokenizer, dist=Dist(),
-                      precision=resolve(cfg.model.precision, "cpu"), moments=initial_moments(reward_model))
+                      prompts=spec["prompts"], ptx_examples=[], tokenizer=tokenizer, dist=dist,
+                      precision=resolve(cfg.model.precision, spec["device"]), moments=initial_moments(reward_model))
 
 
 def run_ours(spec: dict) -> None:
@@ -162,6 +164,7 @@ def run_ours(spec: dict) -> None:
     for _ in range(spec["warmup"] + spec["iterations"]):
         started = wait_for_turn()
         metrics = trainer.step()
+        synchronize()
         seconds = time.perf_counter() - started
         exp = trainer.last_experience
         flops = phase_flops(shapes, exp, critic=trainer.critic is not None)
@@ -216,6 +219,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     # Both sides get the same prompts in each iteration: TRL's side reads them in our trainer's order.
     in_our_order = [prompts[i] for i in shuffled_order(len(prompts), random.Random(cfg.ppo.seed))[:needed]]
     common = {"batch_size": args.batch_size, "response_length": args.response_length, "threads": args.threads,
+              "device": args.device,
               "warmup": args.warmup, "iterations": args.iterations, "seed": cfg.ppo.seed,
               "prompts": prompts, "trl_prompts": in_our_order,
               "pad_id": tokenizer.pad_token_id, "model_name": cfg.model.name_or_path, "config": cfg.model_dump(mode="json")}
@@ -231,6 +235,7 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--response-length", type=int, default=48)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where both sides run (default cpu)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="ours: model.precision; bf16 runs TRL in fp32 and in bf16 and takes its faster run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -260,11 +265,13 @@ def main() -> None:
     trl_runs = {"TRL fp32": False} if args.precision == "fp32" else {"TRL fp32": False, "TRL bf16": True}
     iterations: dict[str, list[dict]] = {}
     peaks: dict[str, float] = {}
+    gpu_peaks: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         common, model_dir, reward_dir = prepare(args, Path(tmp))
         total = args.warmup + args.iterations
-        print(f"model {common['model_name']}, ours in {args.precision}, TRL in {' and '.join(trl_runs)}; CPU, "
-              f"{args.threads} threads, {describe('cpu')}; batch {args.batch_size}, prompts ≤{args.prompt_length} tokens "
+        where = f"CPU, {args.threads} threads" if args.device == "cpu" else args.device
+        print(f"model {common['model_name']}, ours in {args.precision}, TRL in {' and '.join(trl_runs)}; {where}, "
+              f"{describe(args.device)}; batch {args.batch_size}, prompts ≤{args.prompt_length} tokens "
               f"(mean {statistics.mean(map(len, common['prompts'])):.0f}), ≤{args.response_length} new tokens; "
               f"{args.warmup} warm-up + {args.iterations} measured iterations per side, one at a time, the sides "
               "taking turns", flush=True)
@@ -292,6 +299,7 @@ def main() -> None:
 
             iterations.update(take_turns(workers, total, show))
             peaks.update({side: worker.peak_rss_mib() for side, worker in workers.items()})
+            gpu_peaks.update({side: worker.peak_gpu_mib for side, worker in workers.items()})
 
     table = {}
     for side, rows in iterations.items():
@@ -301,11 +309,14 @@ def main() -> None:
                        "tokens_per_s": sum(r["response_tokens"] for r in measured) / seconds,
                        "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in measured),
                        "response_tokens": statistics.mean(r["response_tokens"] for r in measured),
-                       "peak_rss_mib": peaks[side]}
-    print(f"{'side':<18}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'prompt+response tokens':>24}{'peak RSS MiB':>14}")
+                       "peak_rss_mib": peaks[side], "peak_gpu_mib": gpu_peaks[side]}
+    gpu = args.device != "cpu"
+    print(f"{'side':<18}{'s/iteration':>12}{'episodes/s':>12}{'tokens/s':>10}{'prompt+response tokens':>24}{'peak RSS MiB':>14}"
+          + (f"{'peak GPU MiB':>14}" if gpu else ""))
     for side, r in table.items():
         tokens = f"{r['prompt_tokens']:.0f} + {r['response_tokens']:.0f}"
-        print(f"{side:<18}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{tokens:>24}{r['peak_rss_mib']:>14.0f}")
+        print(f"{side:<18}{r['iteration_s']:>12.2f}{r['episodes_per_s']:>12.3f}{r['tokens_per_s']:>10.1f}{tokens:>24}{r['peak_rss_mib']:>14.0f}"
+              + (f"{r['peak_gpu_mib'] or 0:>14.0f}" if gpu else ""))
     # Each TRL run is compared with the run of ours it took turns with (the same minutes of the machine).
     def ours_against(trl_side: str) -> str:
         return f"ours vs {trl_side}" if len(trl_runs) > 1 else "ours"
@@ -315,7 +326,8 @@ def main() -> None:
         ours, trl = table[ours_against(trl_side)], table[trl_side]
         label = " (TRL best)" if len(trl_runs) > 1 and trl_side == best else ""
         print(f"ours / {trl_side}{label}: episodes/s ×{ours['episodes_per_s'] / trl['episodes_per_s']:.2f}, "
-              f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+              f"tokens/s ×{ours['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS ×{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}"
+              + (f", peak GPU memory ×{ours['peak_gpu_mib'] / trl['peak_gpu_mib']:.2f}" if gpu else ""))
         paired = sorted(t["seconds"] / o["seconds"] for t, o in zip(iterations[trl_side][args.warmup :],
                                                                      iterations[ours_against(trl_side)][args.warmup :]))
         print(f"  pair by pair: median ×{statistics.median(paired):.2f}, range ×{paired[0]:.2f} … ×{paired[-1]:.2f}")
@@ -323,7 +335,7 @@ def main() -> None:
     ours_seconds = sum(r["seconds"] for r in ours_rows)
     # Measured right after the iterations, so that both see the machine in a like state.
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    peak = matmul_peak(dtype)
+    peak = matmul_peak(dtype, device=args.device)
     achieved = sum(r["model_flops"] for r in ours_rows) / ours_seconds
     print(f"our MFU: {achieved / peak:.1%} ({achieved / 1e9:.1f} GFLOP/s of model FLOPs, real tokens only, against this "
           f"machine's {args.precision} matmul peak of {peak / 1e9:.1f} GFLOP/s measured after the iterations); by phase:")

@@ -57,8 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, chunk_bounds, finish, load_average, ready, report_turn, spread, take_turns, trl_python,
-                   wait_for_turn)
+from turns import (Worker, chunk_bounds, finish, load_average, ready, report_turn, spread, synchronize, take_turns,
+                   trl_python, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
@@ -102,7 +102,7 @@ def run_trl(spec: dict) -> None:
         num_train_epochs=1, learning_rate=rm["lr"], adam_beta1=rm["adam_betas"][0], adam_beta2=rm["adam_betas"][1],
         weight_decay=rm["weight_decay"], max_grad_norm=rm["max_grad_norm"], lr_scheduler_type="cosine",
         warmup_steps=int(rm["warmup_ratio"] * steps), optim="adamw_torch_fused",
-        gradient_checkpointing=spec["trl_gradient_checkpointing"], bf16=spec["trl_bf16"], use_cpu=True,
+        gradient_checkpointing=spec["trl_gradient_checkpointing"], bf16=spec["trl_bf16"], use_cpu=spec["device"] == "cpu",
         seed=rm["seed"], max_length=None, dataloader_drop_last=False, dataloader_num_workers=0, report_to=[],
         save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True,
     )
@@ -115,6 +115,7 @@ def run_trl(spec: dict) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             self.step += 1
             if self.step == self.bounds[self.chunk + 1]:
+                synchronize()
                 report_turn(wall_s=time.perf_counter() - self.started, cpu_s=time.process_time() - self.cpu_started,
                             steps=self.bounds[self.chunk + 1] - self.bounds[self.chunk], **counted)
                 counted.update(tokens=0, padded=0, pairs=0)
@@ -157,10 +158,10 @@ def run_ours(spec: dict) -> None:
     from stages.training import adamw, cosine_with_warmup, make_engine
 
     cfg = PipelineConfig.model_validate(spec["config"])
-    rm, dist = cfg.reward, Dist()
+    rm, dist = cfg.reward, Dist(device=spec["device"])
     torch.manual_seed(rm.seed)
     tokenizer = sources.load_tokenizer(spec["reward_dir"], cfg.model)
-    model = load_reward_model(spec["reward_dir"], cfg.model)
+    model = load_reward_model(spec["reward_dir"], cfg.model).to(dist.device)
     sources.align_pad_token(model.lm, tokenizer)
     pairs = encode_pairs(tokenizer, spec["rows"], rm.max_seq_len, rm.max_response_len)
     assert [p.chosen_ids for p in pairs] == spec["chosen_ids"] and [p.rejected_ids for p in pairs] == spec["rejected_ids"]
@@ -168,7 +169,7 @@ def run_ours(spec: dict) -> None:
     optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
     scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * len(batches)), len(batches))
     engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs, grad_accum_steps=1,
-                         max_grad_norm=rm.max_grad_norm, precision=precision.resolve(cfg.model.precision, "cpu"),
+                         max_grad_norm=rm.max_grad_norm, precision=precision.resolve(cfg.model.precision, dist.device),
                          dist=dist)
     guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
     engine.train()
@@ -187,6 +188,7 @@ def run_ours(spec: dict) -> None:
             tokens += int(batch["attention_mask"].sum())
             padded += batch["attention_mask"].numel()
             pairs_done += len(indices)
+        synchronize()
         report_turn(wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started, steps=end - start,
                     tokens=tokens, padded=padded, pairs=pairs_done)
     finish()
@@ -224,7 +226,7 @@ def prepare(args, tmp: Path) -> dict:
             "reward_dir": str(reward_dir), "pad_id": tokenizer.pad_token_id,
             "trl_batch_size": max(1, round(len(pairs) / our_steps)), "our_steps": our_steps,
             "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "threads": args.threads,
-            "warmup_steps": args.warmup_steps, "model_name": cfg.model.name_or_path}
+            "device": args.device, "warmup_steps": args.warmup_steps, "model_name": cfg.model.name_or_path}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -246,6 +248,7 @@ def main() -> None:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL with gradient checkpointing (RewardConfig's default); off unless set")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where every side runs (default cpu)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config overrides (the reward section's settings reach every side)")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
@@ -267,8 +270,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = prepare(args, Path(tmp))
         rm = spec["reward"]
+        where = f"CPU, {args.threads} threads" if args.device == "cpu" else args.device
         print(f"preset {args.preset}, model {spec['model_name']}, ours in {args.precision}, TRL in "
-              f"{' and '.join(trl_runs)}; CPU, {args.threads} threads, {describe('cpu')}; {len(spec['rows'])} pairs "
+              f"{' and '.join(trl_runs)}; {where}, {describe(args.device)}; {len(spec['rows'])} pairs "
               f"of rm_train, one epoch; max_seq_len {rm['max_seq_len']}, max_response_len {rm['max_response_len']}; "
               f"ours: dynamic batches, budget {rm['token_budget']} padded tokens, {rm['min_pairs']}-{rm['max_pairs']} "
               f"pairs, loss pairwise + {rm['beta_rm']} × LM; TRL {TRL_VERSION} RewardTrainer: "
@@ -301,6 +305,7 @@ def main() -> None:
 
         reports = take_turns(workers, 1 + turns, show)
         peaks = {side: worker.peak_rss_mib() for side, worker in workers.items()}
+        gpu_peaks = {side: worker.peak_gpu_mib for side, worker in workers.items()}
 
     results = {side: summarise(rows[1:]) for side, rows in reports.items()}
     print(f"{'side':<9}{'steps':>6}{'pairs/step':>11}{'tokens/step':>12}{'padded/step':>12}{'padding':>8}{'tokens/s':>9}"
@@ -322,6 +327,9 @@ def main() -> None:
     print(f"issue 19's target, ours ≥ ×{TARGET_SPEED:.0f} {best}'s tokens/s at ≤ its peak RSS: tokens/s ×{speed:.2f} "
           f"({'met' if speed >= TARGET_SPEED else 'not met'}), peak RSS ×{memory:.2f} "
           f"({'met' if memory <= 1 else 'not met'})")
+    if args.device != "cpu":
+        print("peak GPU MiB: " + ", ".join(f"{side} {gpu_peaks[side] or 0:.0f}" for side in sides)
+              + f"; ours / {best} ×{(gpu_peaks['ours'] or 0) / (gpu_peaks[best] or 1):.2f}")
     print(f"after: {load_average()}")
 
 

@@ -41,8 +41,18 @@ def report_turn(**fields) -> None:
 def finish() -> None:
     import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print("RESULT " + json.dumps({"peak_rss_mib": peak}), flush=True)
+    result = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a no-op on CPU), so that a turn's time includes it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # -- in the parent -----------------------------------------------------------------------------
@@ -74,9 +84,11 @@ class Worker:
         return self.expect("TURN ")
 
     def peak_rss_mib(self) -> float:
+        """The side's peak RSS, once it has finished (its peak GPU memory, on a GPU, in `peak_gpu_mib`)."""
         result = self.expect("RESULT ")
         self.process.stdin.close()
         self.process.wait()
+        self.peak_gpu_mib = result.get("peak_gpu_mib")
         return result["peak_rss_mib"]
 
 
@@ -114,7 +126,15 @@ def trl_python(venv: Path, version: str, check: str) -> Path:
     """venv/bin/python with trl==version installed (`check`, a Python statement, must succeed);
     created once. The environment sees the torch and transformers of the running interpreter's
     environment through a .pth file, so both sides run the same builds of them; only trl and its
-    own extra dependencies (datasets) go into it."""
+    own extra dependencies (datasets) go into it. Where the running interpreter has that trl already
+    (a machine without network, given wheels), it is the one."""
+    from importlib import metadata
+
+    try:
+        if metadata.version("trl") == version:
+            return Path(sys.executable)
+    except metadata.PackageNotFoundError:
+        pass
     python = venv / "bin" / "python"
     if python.exists() and subprocess.run([python, "-c", check], capture_output=True).returncode == 0:
         return python
