@@ -10,8 +10,9 @@ length] layout, scatters them back. The result is the same hidden states as the 
 
 `Decoder`: our own decode step for the sampling loop. At small batch a decode step is bound by
 reading the weights: q|k|v and gate|up are one matrix product each; on an Intel CPU in fp32 the
-weights are packed once per rollout for the batch size (MKL's packed GEMM, `mkl_packing_pays`); attention reads the filled part of
-the cache only; the prompt goes through the padding-free body, which hands over its keys and values.
+weights are packed once per rollout for the batch size (MKL's packed GEMM, `mkl_packing_pays`);
+attention reads the filled part of the cache only; the prompt goes through the padding-free body,
+which hands over its keys and values.
 """
 
 from __future__ import annotations
