@@ -1,7 +1,8 @@
 """NaN/Inf guard for the training loops: a step whose loss (or, in PPO, whose scores) holds a
-non-finite value is skipped, so no weight ever moves on a non-finite gradient, and counted;
-after `max_consecutive` skipped steps in a row the stage stops with a NonFiniteError naming the
-step and the tensor."""
+non-finite value is skipped and counted; after `max_consecutive` skipped steps in a row the stage
+stops with a NonFiniteError naming the step and the tensor. A finite loss whose gradient is not
+finite is the engine's to skip (`stages.training.PlainEngine.step`, DeepSpeed's optimisers), so no
+weight moves on a non-finite gradient either way."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ probes. Stage modules import these from here; `stages.launch` only launches."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +57,12 @@ class PlainEngine:
 
     precision="bf16" (`stages.precision`): the model computes with bf16 weights, while `optimizer`
     keeps stepping the fp32 parameters it was built over, which become the master weights (the
-    model's are their bf16 copies); each backward's gradients are added into the masters' in fp32."""
+    model's are their bf16 copies); each backward's gradients are added into the masters' in fp32.
+
+    A step whose gradient norm is not finite (a finite loss can overflow in the backward) updates
+    nothing, as DeepSpeed's optimisers skip an overflow: the gradients are dropped, the optimiser and
+    the lr schedule do not step, and `skipped_steps` counts it. The norm is the engine's own clip's,
+    or the joint clip's (`clip_grad_norm` hands it over); an engine that clips nothing checks none."""
 
     def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float,
                  precision: str = "fp32"):
@@ -65,6 +71,8 @@ class PlainEngine:
         self.master = MasterWeights.of(model) if precision == "bf16" else None
         self.micro_steps = 0
         self.last_grad_norm = 0.0
+        self.skipped_steps = 0
+        self.joint_grad_norm: float | None = None  # set by clip_grad_norm for the next step
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -85,16 +93,21 @@ class PlainEngine:
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            if math.isinf(self.max_grad_norm):  # no clipping (PPO clips actor and critic jointly): no norm either
-                self.last_grad_norm = math.nan
+            if math.isinf(self.max_grad_norm):  # PPO clips actor and critic jointly (or nothing clips): no own norm
+                norm, self.joint_grad_norm = self.joint_grad_norm, None
             else:
-                self.last_grad_norm = clip_with_norm([p for p in self.trainable_parameters() if p.grad is not None],
-                                                     self.max_grad_norm)
-            self.optimizer.step()
-            self.lr_scheduler.step()
+                norm = clip_with_norm([p for p in self.trainable_parameters() if p.grad is not None],
+                                      self.max_grad_norm)
+            self.last_grad_norm = math.nan if norm is None else norm
+            if norm is not None and not math.isfinite(norm):
+                self.skipped_steps += 1
+                print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
+            else:
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                if self.master is not None:
+                    self.master.copy_to_model()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.master is not None:
-                self.master.copy_to_model()
         self.micro_steps += 1
 
     def get_global_grad_norm(self) -> float:
@@ -254,8 +267,11 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     import torch
 
     if all(isinstance(engine, PlainEngine) for engine in engines):
-        return clip_with_norm([p for engine in engines for p in engine.trainable_parameters() if p.grad is not None],
+        norm = clip_with_norm([p for engine in engines for p in engine.trainable_parameters() if p.grad is not None],
                               max_norm)
+        for engine in engines:  # a non-finite norm: their next step skips (PlainEngine.step)
+            engine.joint_grad_norm = norm
+        return norm
     # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
     # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine
     # and step: one all-reduce of all its gradients for the norm, one more when clipping.
@@ -265,7 +281,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(safe_get_full_grad(p).float())
                                                  for params in groups for p in params]))
     coef = max_norm / (float(norm) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-    if not coef >= 1.0:  # a NaN norm clips too, as in torch (and as clip_with_norm)
+    if not coef >= 1.0:  # a NaN norm clips too, as in torch; DeepSpeed's ZeRO and bf16 optimisers then skip the step
         for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
             safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
     return float(norm)

@@ -262,7 +262,7 @@ class PPOTrainer:
                     engine.step()
                 for name, value in step_stats.items():
                     sums[name] = sums.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
-                if not math.isnan(grad_norm):
+                if math.isfinite(grad_norm):  # NaN: no joint clip; inf/NaN from it: the engines skipped the step
                     sums["policy/grad_norm"] = sums.get("policy/grad_norm", 0.0) + grad_norm
                 steps += 1
         logprob_diff = sums.pop("val/logprob_diff", None)
