@@ -20,7 +20,7 @@ class NonFiniteError(RuntimeError):
 class NonFiniteGuard:
     def __init__(self, stage: str, max_consecutive: int, dist: Dist):
         self.stage, self.max_consecutive, self.dist = stage, max_consecutive, dist
-        self.skipped = 0  # steps skipped in all (the `train/skipped_steps` metric)
+        self.skipped = 0  # steps skipped in all (kept in checkpoints)
         self.in_a_row = 0
 
     def state_dict(self) -> dict[str, int]:  # for checkpoints
