@@ -193,8 +193,8 @@ class PackedLinear:
 
 
 def mkl_packing_pays() -> bool:
-    """Whether the decoder packs fp32 weights for MKL: on Intel CPUs only. MKL takes its fast packed
-    kernels on Intel's CPUs; on an AMD EPYC the packed product was slower than the plain one, and the
+    """Whether the decoder packs fp32 weights for MKL: on Intel CPUs only. MKL's packed GEMM won on an
+    Intel Xeon and lost to the plain product on an AMD EPYC (MKL is tuned for Intel's CPUs), and the
     padded copies cost memory everywhere (bench/packed_linear.py measures both on the machine at hand)."""
     return cpu_vendor() == "GenuineIntel"
 
