@@ -42,17 +42,21 @@ def finish() -> None:
     import resource
 
     result = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    if (cuda := _cuda_in_use()) is not None:
+        result["peak_gpu_mib"] = cuda.max_memory_allocated() / 2**20
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def synchronize() -> None:
     """Wait for the GPU's queued work (a no-op on CPU), so that a turn's time includes it."""
+    if (cuda := _cuda_in_use()) is not None:
+        cuda.synchronize()
+
+
+def _cuda_in_use():
+    """torch.cuda where this side has used the GPU, else None (torch is not imported for it)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 # -- in the parent -----------------------------------------------------------------------------

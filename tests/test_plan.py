@@ -136,6 +136,12 @@ def test_gradient_checkpointing_keeps_layer_inputs_only():
     assert on.activations < off.activations and on.logits == off.logits and on.states == off.states
 
 
+def tiny_cpu_rollout(*overrides: str) -> int:
+    """The plan's PPO rollout bytes for the tiny preset on CPU (24 GiB), with `overrides`."""
+    return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
+                     memory_gib=24).stages[0].phases["rollout"]
+
+
 def tiny_decoder_linears(cfg):
     """A real fast decoder on the tiny preset's model shape, sampling `ppo.rollout_batch_size` rows:
     its linear layers (stages/models/llama.py PackedLinear)."""
@@ -176,18 +182,14 @@ def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights(monkeypatch):
     assert held > 5 * sum(m.weight.numel() * 4 for m in linears)  # the padding: far more than the weights
     assert plan.packed_weight_bytes(arch, rows) == held
 
-    def rollout(*overrides: str) -> int:
-        return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
-                         memory_gib=24).stages[0].phases["rollout"]
-
     # the KV-cache branch of the rollout now holds the packed copy too (and is the larger branch)
-    assert held < rollout() <= held + rollout("model.fast_path=off")
-    assert rollout("model.precision=bf16") == rollout("model.precision=bf16", "model.fast_path=off")
+    assert held < tiny_cpu_rollout() <= held + tiny_cpu_rollout("model.fast_path=off")
+    assert tiny_cpu_rollout("model.precision=bf16") == tiny_cpu_rollout("model.precision=bf16", "model.fast_path=off")
 
 
 def test_the_decoder_packs_weights_for_mkl_on_intel_cpus_only_and_the_plan_counts_what_it_packs(monkeypatch):
-    """MKL's packed GEMM is Intel's fast path: on an AMD EPYC (bench/packed_linear.py) it was slower
-    than the plain product, and its padded copies cost memory. The decoder packs on
+    """MKL's packed GEMM won on an Intel Xeon and lost to the plain product on an AMD EPYC
+    (bench/packed_linear.py), and its padded copies cost memory. The decoder packs on
     GenuineIntel CPUs only (this machine's vendor and, read as each, both kinds), and the plan's
     rollout holds the packed bytes exactly where the decoder packs."""
     import torch
@@ -199,17 +201,13 @@ def test_the_decoder_packs_weights_for_mkl_on_intel_cpus_only_and_the_plan_count
         pytest.skip("a torch build without MKL packs nothing")
     cfg = load_config("tiny")
 
-    def rollout(*overrides: str) -> int:
-        return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
-                         memory_gib=24).stages[0].phases["rollout"]
-
-    unpacked = rollout("model.fast_path=off")
+    unpacked = tiny_cpu_rollout("model.fast_path=off")
     for vendor in (cpu_vendor(), "GenuineIntel", "AuthenticAMD"):
         monkeypatch.setattr(llama, "cpu_vendor", lambda: vendor, raising=False)  # absent before the rule
         packs = [m.packed is not None for m in tiny_decoder_linears(cfg)]
         intel = vendor == "GenuineIntel"
         assert packs == [intel] * len(packs), f"{vendor!r}: packed {packs}"
-        assert (rollout() > unpacked) == intel, vendor  # the packed copy outweighs the tiny rollout's logits
+        assert (tiny_cpu_rollout() > unpacked) == intel, vendor  # the packed copy outweighs the tiny rollout's logits
 
 
 def test_the_presets_fit_a_24_gib_machine_and_a_7b_plan_needs_zero3_on_80_gib_gpus():
