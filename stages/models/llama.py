@@ -92,14 +92,33 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
             query_index, queries = kept_index, length - from_position
         q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
         q = q * cos[..., -queries:, :] + rotate_half(q) * sin[..., -queries:, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., -queries:, :].to(q.dtype),
-                                             scale=attn.scaling, enable_gqa=True)
+        out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling)
         # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1).index_select(0, query_index))
         x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
     x = rms_norm(base_model.norm, x)
     queries = length - from_position
     return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale + mask) v over grouped-query heads: q [B, heads, Lq, d], k and v
+    [B, kv_heads, L, d], mask [B, 1, Lq, L] additive. SDPA's fused kernel, except in bf16 on a CPU
+    with gradients: there the explicit products, whose backward ran ×2 faster than SDPA's, which in
+    fp32 was the faster one (bench/attention.py measures both)."""
+    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and q.requires_grad):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return explicit_attention(q, k, v, mask, scale)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` as matrix products and a softmax."""
+    batch, heads, length, d = q.shape
+    kv_heads = k.shape[1]
+    # Query heads g·j … g·j + g − 1 share key/value head j (SDPA's enable_gqa).
+    q = q.reshape(batch, kv_heads, heads // kv_heads, length, d) * scale
+    scores = q @ k.unsqueeze(2).transpose(-1, -2) + mask.unsqueeze(2)  # [B, kv_heads, g, Lq, L]
+    return (scores.softmax(dim=-1) @ v.unsqueeze(2)).reshape(batch, heads, length, d)
 
 
 class Decoder:

@@ -49,7 +49,9 @@ def response_logits(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     """Logits predicting each response token: the last layer and the LM head run on response
     positions only (position P − 1 predicts the first response token)."""
     hidden = last_hidden_state(model.base_model, sequences, attention_mask, from_position=prompt_width - 1)[:, :-1]
-    return model.get_output_embeddings()(hidden)
+    # Contiguous: on the strided slice a linear layer broadcasts its weight to a batched product,
+    # a copy of the [vocab, hidden] weight per row.
+    return model.get_output_embeddings()(hidden.contiguous())
 
 
 def token_values(critic: RewardModel, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
