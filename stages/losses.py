@@ -148,11 +148,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), stats
 
 
-def entropy(log_distribution: torch.Tensor) -> torch.Tensor:
-    """H(π(·|s_t)) = −Σ π log π per position, from log π over the vocabulary."""
-    return -(log_distribution.exp() * log_distribution).sum(-1)
-
-
 def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """PPO-ptx: the SFT language-modelling loss on pretraining/SFT data (labels −100 = ignore)."""
     nll, count = shifted_nll(logits, labels)

@@ -14,7 +14,8 @@ from stages.config import load_config
 from stages.models import CachedDecoder, last_hidden_state, set_fast_path
 from stages.models.llama import Decoder as LlamaDecoder
 from stages.ppo.experience import response_logits
-from stages.ppo.generation import generate, left_pad, token_logprobs
+from stages.ppo.generation import generate, left_pad
+from stages.ppo.logprobs import token_logprobs
 from stages.sources import load_model
 
 

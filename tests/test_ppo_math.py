@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages.config import ConfigError, PPOConfig, load_config
-from stages.losses import entropy, kl_estimate, kl_loss, policy_loss, value_loss
+from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from stages.ppo.advantages import gae, masked_whiten
+from stages.ppo.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
 
 
@@ -234,10 +235,11 @@ def test_whitening_and_entropy():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     w = masked_whiten(x, mask)
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-4) and w[0, 3] == 0
-    uniform = torch.log_softmax(torch.zeros(1, 1, 4), dim=-1)
-    assert entropy(uniform).item() == pytest.approx(math.log(4))
-    peaked = torch.log_softmax(torch.tensor([[[0.0, 0.0, 50.0]]]), dim=-1)
-    assert entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    token = torch.tensor([[0]])
+    _, uniform = logprobs_and_entropy(torch.zeros(1, 1, 4), token, 1.0)
+    assert uniform.item() == pytest.approx(math.log(4))
+    _, peaked = logprobs_and_entropy(torch.tensor([[[0.0, 0.0, 50.0]]]), token, 1.0)
+    assert peaked.item() == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clips; does not clip

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.models import decoder
+from stages.ppo.logprobs import token_logprobs
 
 
 @dataclass
@@ -41,20 +42,6 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.
         ids[i, width - len(prompt) :] = torch.tensor(prompt)
         mask[i, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def log_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(· | s_j) over the vocabulary under the sampling distribution (logits / temperature)."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(a_j | s_j) under the sampling distribution."""
-    return picked(log_distribution(logits, temperature), tokens)
-
-
-def picked(log_distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return log_distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, temperature: float, top_k: int, top_p: float,

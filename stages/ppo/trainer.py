@@ -20,11 +20,11 @@ import torch
 from stages.config import PPOConfig
 from stages.guards import NonFiniteGuard
 from stages.launch import Dist
-from stages.losses import (POLICY_STAT_NAMES, entropy, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
+from stages.losses import (POLICY_STAT_NAMES, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
                            value_loss)
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
-from stages.ppo.generation import log_distribution, picked
+from stages.ppo.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
 from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
 
@@ -224,15 +224,16 @@ class PPOTrainer:
 
                 if self.train_actor:
                     logits = response_logits(self.actor.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                    log_pi = log_distribution(logits, temperature)
-                    logprobs = picked(log_pi, mb.sequences[:, mb.prompt_width :])
+                    logprobs, token_entropy = logprobs_and_entropy(logits, mb.sequences[:, mb.prompt_width :], temperature)
+                    del logits  # the backward keeps its own reference
                     if steps == 0 and "val/logprob_diff" not in sums:
                         # Before any update θ = θ_old: the training forward must give the rollout's
                         # log-probabilities; what it does not is numerical (bf16, kernels) mismatch.
                         sums["val/logprob_diff"] = masked_mean((logprobs.detach() - mb.logprobs).abs(), mask).item()
                     pg_loss, pg_stats = self.policy_loss(logprobs, mb.logprobs, advantages, mask, ppo)
-                    with torch.set_grad_enabled(ppo.entropy_coef != 0):  # else only a statistic: no backward
-                        policy_entropy = masked_mean(entropy(log_pi), mask)
+                    if ppo.entropy_coef == 0:  # only a statistic: no backward through it
+                        token_entropy = token_entropy.detach()
+                    policy_entropy = masked_mean(token_entropy, mask)
                     actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
                     if self.kl_loss_coef():  # β · KL as a loss term on log π_θ (kl_penalty_in=loss)
                         kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator)

@@ -1,0 +1,72 @@
+"""log π(a | s) of the taken tokens and the entropy of π(· | s), from logits, in chunks of rows.
+
+PPO reads both from a [tokens, vocabulary] logits matrix (49,152 columns for SmolLM2). Taken
+whole, in fp32, every step — the cast, the division by the temperature, the log-softmax, the exp
+for the entropy, and as many in the backward — passes over a fresh matrix too large for any cache,
+and autograd keeps fp32 copies of it for the backward. Here each chunk of rows goes through all the
+steps while it is in cache, and the backward recomputes the softmax from the logits kept as they
+came (bf16 under `model.precision` bf16) and one log-normaliser per row. The same fp32 arithmetic
+per element; bench/logprobs.py compares the two forms.
+
+Temperature T: π(· | s) = softmax(z / T), the distribution PPO's ratio is taken under (the
+sampling distribution without top-k/top-p, `stages.ppo.generation`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 20  # fp32 elements of one chunk (4 MiB): a few such arrays fit in L2/L3 cache
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(a | s), H(π(· | s))) in fp32, shaped like `tokens`, from logits [..., vocab];
+    differentiable in both."""
+    vocab = logits.shape[-1]
+    logprobs, entropy = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature))
+    return logprobs.view(tokens.shape), entropy.view(tokens.shape)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(a | s) under logits / temperature, in fp32."""
+    return logprobs_and_entropy(logits, tokens, temperature)[0]
+
+
+def _chunks(rows: int, vocab: int):
+    step = max(1, CHUNK_ELEMENTS // vocab)
+    return (slice(start, min(start + step, rows)) for start in range(0, rows, step))
+
+
+class _LogprobsAndEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+        rows, vocab = logits.shape
+        logprobs, entropy, log_normaliser = (logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+        for part in _chunks(rows, vocab):
+            z = logits[part].float() / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            log_p = z.sub_(lse[:, None])
+            logprobs[part] = log_p.gather(1, tokens[part, None]).squeeze(1)
+            entropy[part] = -(log_p.exp() * log_p).sum(-1)
+            log_normaliser[part] = lse
+        ctx.save_for_backward(logits, tokens, log_normaliser, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, tokens, log_normaliser, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        for part in _chunks(*logits.shape):
+            log_p = logits[part].float() / temperature - log_normaliser[part, None]
+            p = log_p.exp()
+            g = torch.zeros_like(p)
+            if grad_logprobs is not None:  # ∂ log p_a / ∂z = 1[a] − p
+                g.sub_(p * grad_logprobs[part, None])
+                g.scatter_add_(1, tokens[part, None], grad_logprobs[part, None])
+            if grad_entropy is not None:  # ∂H / ∂z_i = −p_i (log p_i + H)
+                g.sub_(p * (log_p + entropy[part, None]) * grad_entropy[part, None])
+            grad[part] = g / temperature
+        return grad, None, None

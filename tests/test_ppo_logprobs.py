@@ -1,0 +1,48 @@
+"""stages.ppo.logprobs: log π(a | s) and H(π(· | s)) in chunks of rows, with their own backward,
+against the whole-matrix formulas under autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.ppo import logprobs as chunked
+from stages.ppo.logprobs import logprobs_and_entropy
+
+
+def whole_matrix(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    log_pi = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_pi.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("differentiated", ["both", "logprobs", "entropy"])
+def test_chunked_logprobs_and_entropy_and_their_gradients_equal_the_whole_matrix_formulas(monkeypatch, temperature,
+                                                                                          differentiated):
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 37)  # chunks of 3 rows: 7 rows cross chunk edges
+    torch.manual_seed(0)
+    logits = (torch.randn(7, 37, dtype=torch.float64) * 4).requires_grad_()
+    tokens = torch.randint(0, 37, (7,))
+    weights = torch.randn(2, 7, dtype=torch.float64)
+    results = {}
+    for name, function in (("whole", whole_matrix), ("chunked", logprobs_and_entropy)):
+        logprobs, entropy = function(logits, tokens, temperature)
+        loss = (logprobs.double() * weights[0]).sum() * (differentiated != "entropy")
+        loss = loss + (entropy.double() * weights[1]).sum() * (differentiated != "logprobs")
+        results[name] = (logprobs.detach(), entropy.detach(), torch.autograd.grad(loss, logits)[0])
+    for whole, ours in zip(results["whole"], results["chunked"]):
+        torch.testing.assert_close(ours.double(), whole.double(), atol=2e-6, rtol=1e-5)
+    assert results["chunked"][2].abs().max() > 0
+
+
+def test_a_bf16_logits_matrix_gets_a_bf16_gradient_and_fp32_outputs():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 11).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 5))
+    logprobs, entropy = logprobs_and_entropy(logits, tokens, 0.7)
+    assert logprobs.shape == entropy.shape == (2, 5) and logprobs.dtype == entropy.dtype == torch.float32
+    expected = whole_matrix(logits.detach(), tokens, 0.7)
+    torch.testing.assert_close(logprobs.detach(), expected[0])
+    torch.testing.assert_close(entropy.detach(), expected[1])
+    (grad,) = torch.autograd.grad(logprobs.sum(), logits)
+    assert grad.dtype == torch.bfloat16
