@@ -19,8 +19,8 @@ per device by component:
   log-softmax, and the gradient flowing back through them — for small models with big
   vocabularies often the largest term;
 - the generation KV cache: 2 · layers · kv heads · head dim · (prompt + new tokens) · batch · bytes;
-- on an Intel CPU in fp32, the Llama decoder's MKL-packed copy of the actor's weights (`packed_weight_bytes`),
-  held while it samples.
+- on a CPU, the Llama decoder's packed copy of the actor's weights (`packed_weight_bytes`: bf16 in
+  oneDNN's layout, or fp32 for MKL on an Intel CPU), held while it samples.
 
 A stage's peak per device is its model states plus the largest of its phases' transient memory
 (PPO's rollout — KV cache, the reference's and reward model's forward — and its training step
@@ -329,20 +329,29 @@ def decode_linear_shapes(arch: Architecture) -> list[tuple[int, int]]:
     return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)] * arch.num_hidden_layers + [(arch.vocab_size, h)]
 
 
-def packed_weight_bytes(arch: Architecture, rows: int) -> int:
-    """The fast decoder's MKL-packed weights for `rows` sampled at once (`PackedLinear`, Intel
-    CPUs, fp32 only). MKL's packed format pads each matrix (its size is not documented: ~5.6 MB at least, 2–7×
-    the weight on SmolLM2's shapes), so the sizes are asked of MKL itself, each shape once."""
-    return sum(_mkl_packed_bytes(shape, rows) for shape in decode_linear_shapes(arch))
+def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") -> int:
+    """The fast decoder's packed weights for `rows` sampled at once on a CPU (`PackedLinear`): in
+    bf16 oneDNN's blocked layout; in fp32 MKL's packed GEMM, on Intel CPUs only, whose format pads
+    each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight on SmolLM2's
+    shapes). The sizes are asked of the libraries themselves, each shape once; 0 where nothing is
+    packed."""
+    from stages.models.llama import mkl_packing_pays
+
+    if precision == "fp32" and not mkl_packing_pays():
+        return 0
+    return sum(_packed_bytes(shape, rows, precision) for shape in decode_linear_shapes(arch))
 
 
 @functools.lru_cache(maxsize=None)
-def _mkl_packed_bytes(shape: tuple[int, int], rows: int) -> int:
+def _packed_bytes(shape: tuple[int, int], rows: int, precision: str) -> int:
     import torch
 
-    from stages.models.llama import _mkl_pack
+    from stages.models.llama import _mkl_pack, _onednn_pack
 
-    packed = _mkl_pack(torch.zeros(shape), rows)
+    if precision == "bf16":
+        packed = _onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
+    else:
+        packed = _mkl_pack(torch.zeros(shape), rows)
     return 0 if packed is None else packed.numel() * packed.element_size()
 
 
@@ -492,11 +501,8 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # the critic and the reward model one after another; the larger of the two counts.
         kv = kv_cache_bytes(arch, rollout_rows, length, element)
         from stages.models import FAST_PATHS
-        from stages.models.llama import mkl_packing_pays
-
-        packed = (packed_weight_bytes(arch, rollout_rows) if device == "cpu" and resolved == "fp32"
-                  and cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS and (sharding.zero or 0) < 3
-                  and mkl_packing_pays() else 0)
+        packed = (packed_weight_bytes(arch, rollout_rows, resolved) if device == "cpu" and cfg.model.fast_path == "auto"
+                  and arch.model_type in FAST_PATHS and (sharding.zero or 0) < 3 else 0)
         actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
                             inference_bytes(arch, rollout_rows, length, new, element))
         # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive

@@ -142,9 +142,9 @@ def tiny_cpu_rollout(*overrides: str) -> int:
                      memory_gib=24).stages[0].phases["rollout"]
 
 
-def tiny_decoder_linears(cfg):
-    """A real fast decoder on the tiny preset's model shape, sampling `ppo.rollout_batch_size` rows:
-    its linear layers (stages/models/llama.py PackedLinear)."""
+def tiny_decoder_linears(cfg, dtype=None):
+    """A real fast decoder on the tiny preset's model shape (in `dtype`), sampling
+    `ppo.rollout_batch_size` rows: its linear layers (stages/models/llama.py PackedLinear)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -157,6 +157,7 @@ def tiny_decoder_linears(cfg):
                                          num_hidden_layers=init.num_hidden_layers,
                                          num_attention_heads=init.num_attention_heads,
                                          num_key_value_heads=init.num_key_value_heads, tie_word_embeddings=True))
+    model = model.to(dtype or torch.float32)
     rows = cfg.ppo.rollout_batch_size
     decoder = llama.Decoder(model, torch.ones(rows, 8, dtype=torch.long), torch.ones(rows, 8, dtype=torch.long), 4)
     return [decoder.lm_head, *(m for layer in decoder.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))]
@@ -184,7 +185,23 @@ def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights(monkeypatch):
 
     # the KV-cache branch of the rollout now holds the packed copy too (and is the larger branch)
     assert held < tiny_cpu_rollout() <= held + tiny_cpu_rollout("model.fast_path=off")
-    assert tiny_cpu_rollout("model.precision=bf16") == tiny_cpu_rollout("model.precision=bf16", "model.fast_path=off")
+
+
+def test_a_cpu_bf16_rollout_counts_the_decoders_onednn_packed_weights():
+    """In bf16 the fast decoder holds its weights again in oneDNN's blocked layout while it samples;
+    the plan counts the bytes a real decoder on the tiny model holds."""
+    import torch
+
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("no oneDNN bf16 here: nothing is packed")
+    cfg = load_config("tiny", ["model.precision=bf16"])
+    arch = plan.read_architecture(cfg.model)
+    rows = cfg.ppo.rollout_batch_size
+    linears = tiny_decoder_linears(cfg, torch.bfloat16)
+    held = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    assert held == sum(m.weight.numel() * 2 for m in linears)
+    assert plan.packed_weight_bytes(arch, rows, "bf16") == held
+    assert tiny_cpu_rollout("model.precision=bf16") >= held  # the KV-cache branch holds it (the forwards' branch is larger here)
 
 
 def test_the_decoder_packs_weights_for_mkl_on_intel_cpus_only_and_the_plan_counts_what_it_packs(monkeypatch):

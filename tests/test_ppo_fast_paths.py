@@ -135,6 +135,33 @@ def test_our_llama_decode_steps_give_transformers_logits(extra):
         assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
 
 
+@torch.no_grad()
+def test_bf16_decode_steps_on_onednn_packed_weights_give_the_plain_products_logits(monkeypatch):
+    """In bf16 the decoder packs its weights in oneDNN's blocked layout (`llama.PackedLinear`);
+    its logits must be those of the same decoder on the plain weights."""
+    from stages.models import llama
+
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this CPU or torch build has no oneDNN bf16: nothing is packed")
+    model = small_llama().eval()
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    model = model.to(torch.bfloat16)
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]], pad_id=0, device="cpu")
+    packed = LlamaDecoder(model, ids, mask, 4)
+    linears = [packed.lm_head] + [l for layer in packed.layers for l in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(linear.packed is not None and linear.packed.is_mkldnn for linear in linears)
+    monkeypatch.setattr(llama, "pack", lambda weight, batch: None)
+    plain = LlamaDecoder(model, ids, mask, 4)
+    assert plain.lm_head.packed is None
+    pairs = [(packed.prefill(), plain.prefill())]
+    for tokens in ([20, 21, 22], [2, 30, 31], [40, 41, 42]):
+        pairs.append((packed.step(torch.tensor(tokens)), plain.step(torch.tensor(tokens))))
+    for a, b in pairs:
+        assert a.dtype == torch.bfloat16 and b.float().std() > 0.3
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_greedy_sampling_with_a_repetition_penalty_matches_transformers_on_generated_tokens():
     """transformers' repetition-penalty processor given the generated tokens only (the prompt's are
     not penalised, paper §6.1), one full forward per step: the same tokens as our cached loop."""

@@ -9,9 +9,9 @@ length] layout, scatters them back. The result is the same hidden states as the 
 (tests compare them), with zeros at pad positions.
 
 `Decoder`: our own decode step for the sampling loop. At small batch a decode step is bound by
-reading the weights: q|k|v and gate|up are one matrix product each; on an Intel CPU in fp32 the
-weights are packed once per rollout for the batch size (MKL's packed GEMM, `mkl_packing_pays`);
-attention reads the filled part of the cache only; the prompt goes through the padding-free body,
+reading the weights: q|k|v and gate|up are one matrix product each; on a CPU the weights are
+packed once per rollout for the batch size (`PackedLinear`: bf16 in oneDNN's blocked layout, fp32
+for MKL's packed GEMM on Intel CPUs); attention reads the filled part of the cache only; the prompt goes through the padding-free body,
 which hands over its keys and values.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half
 
 from stages.models.plain import partitioned, position_ids
 from stages.precision import cpu_vendor
@@ -58,7 +57,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     width = length
     index = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat [B, L] positions of real tokens
     x = base_model.embed_tokens(input_ids.reshape(-1)[index])  # [N, hidden]
-    cos, sin = base_model.rotary_emb(x, position_ids=positions)
+    cos, sin = signed(*base_model.rotary_emb(x, position_ids=positions))
     cos, sin = cos[:, None], sin[:, None]  # [B, 1, width, head_dim]: one rotation for all heads
     # Causal over real keys; a pad query attends to itself only, so no softmax row is all masked
     # (that row would be NaN, and its NaN gradient would reach real keys).
@@ -83,7 +82,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
         attn = layer.self_attn
         h = rms_norm(layer.input_layernorm, x)
         k, v = (padded(proj(h), attn.head_dim, index, width) for proj in (attn.k_proj, attn.v_proj))
-        k = k * cos + rotate_half(k) * sin
+        k = rotate(k, cos, sin)
         if keys_values is not None:
             keys_values.append((k, v))
         query_index, queries = index, width
@@ -91,7 +90,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
             x, h = x.index_select(0, kept), h.index_select(0, kept)
             query_index, queries = kept_index, length - from_position
         q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
-        q = q * cos[..., -queries:, :] + rotate_half(q) * sin[..., -queries:, :]
+        q = rotate(q, cos[..., -queries:, :], sin[..., -queries:, :])
         out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling)
         # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1).index_select(0, query_index))
@@ -99,6 +98,19 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     x = rms_norm(base_model.norm, x)
     queries = length - from_position
     return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
+
+
+def signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin as `rotate` takes them: the sign of rotate_half folded into sin."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, x·cos + rotate_half(x)·sin: rotate_half(x) = (−x₂, x₁) is x rolled by half a head
+    times (−1, 1), so with that sign in sin (`signed`) the same numbers take four operations
+    instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -152,7 +164,7 @@ class Decoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         x = self.base.embed_tokens(token)  # [B, hidden]
         self.positions = self.positions + 1
-        cos, sin = self.base.rotary_emb(x, position_ids=self.positions)  # [B, 1, head_dim]
+        cos, sin = signed(*self.base.rotary_emb(x, position_ids=self.positions))  # [B, 1, head_dim]
         slot = self.filled
         self.filled += 1
         for index, layer in enumerate(self.layers):
@@ -177,13 +189,13 @@ class DecodeLayer:
         batch, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qk, v = self.qkv(rms_norm(self.attention_norm, x)).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         qk = qk.view(batch, heads + kv_heads, d)
-        qk = qk * cos + rotate_half(qk) * sin  # RoPE on queries and keys at once (cos, sin: [B, 1, d])
+        qk = rotate(qk, cos, sin)  # RoPE on queries and keys at once (cos, sin: [B, 1, d])
         q, k = qk.split([heads, kv_heads], dim=1)
         keys[:, :, slot] = k
         values[:, :, slot] = v.view(batch, kv_heads, d)
         # Grouped-query attention: query heads g·j … g·j + g − 1 share key/value head j.
         q = q.view(batch, kv_heads, heads // kv_heads, d)
-        scores = q @ keys[:, :, : slot + 1].transpose(-1, -2) * self.scaling + bias  # [B, kv_heads, g, T]
+        scores = (q @ keys[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [B, kv_heads, g, T]
         out = scores.softmax(dim=-1) @ values[:, :, : slot + 1]
         x = x + self.o(out.reshape(batch, heads * d))
         gate, up = self.gate_up(rms_norm(self.mlp_norm, x)).chunk(2, dim=-1)
@@ -191,10 +203,11 @@ class DecodeLayer:
 
 
 class PackedLinear:
-    """x Wᵀ + b for the given linear layers stacked by output, at a fixed batch size. On CPU in fp32,
-    where packing pays (`mkl_packing_pays`), the weight is packed for that batch size (MKL's packed
-    GEMM reads a weight faster at small batch than the plain product); any other batch size, bf16
-    weights and other CPUs take the plain product."""
+    """x Wᵀ + b for the given linear layers stacked by output, at a fixed batch size. On a CPU the
+    weight is packed once for that batch size, which a small batch then reads faster than the plain
+    product does (which re-lays the weight out at every call): bf16 weights in oneDNN's blocked
+    layout (the same numbers), fp32 weights for MKL's packed GEMM where that pays
+    (`mkl_packing_pays`). Elsewhere, the plain product. bench/packed_linear.py times each."""
 
     def __init__(self, linears: list, batch: int):
         weights = [linear.weight.detach() for linear in linears]
@@ -203,12 +216,21 @@ class PackedLinear:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
         self.batch = batch
-        self.packed = _mkl_pack(self.weight, batch) if mkl_packing_pays() else None
+        self.packed = pack(self.weight, batch)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if self.packed.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.batch)
+
+
+def pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """The weight packed for `batch` rows (`PackedLinear`), or None where it stays plain."""
+    if weight.dtype == torch.bfloat16:
+        return _onednn_pack(weight, batch)
+    return _mkl_pack(weight, batch) if mkl_packing_pays() else None
 
 
 def mkl_packing_pays() -> bool:
@@ -216,6 +238,16 @@ def mkl_packing_pays() -> bool:
     Intel Xeon and lost to the plain product on an AMD EPYC (MKL is tuned for Intel's CPUs), and the
     padded copies cost memory everywhere (bench/packed_linear.py measures both on the machine at hand)."""
     return cpu_vendor() == "GenuineIntel"
+
+
+def _onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch)
+    except (AttributeError, RuntimeError):  # a build without oneDNN's linear ops
+        return None
 
 
 def _mkl_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
