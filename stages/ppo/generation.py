@@ -15,7 +15,7 @@ PPO's ratio is taken under (`token_logprobs`: the reference and training forward
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,9 +69,20 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, tempera
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
 
 
-@torch.no_grad()
 def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu") -> Rollout:
+    with torch.inference_mode():  # no autograd bookkeeping at all: a decode step is thousands of small operations
+        rollout = _sample(actor, prompts, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                          do_sample=do_sample, device=device)
+    # Tensors made in inference mode cannot be saved for a backward (the training step gathers at
+    # the sampled tokens): ordinary copies.
+    return replace(rollout, **{name: value.clone() for name, value in vars(rollout).items()
+                               if isinstance(value, torch.Tensor)})
+
+
+def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
+            top_p: float, top_k: int, repetition_penalty: float, do_sample: bool, device: str) -> Rollout:
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
     batch = prompt_ids.shape[0]
     was_training = actor.training
