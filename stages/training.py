@@ -107,7 +107,10 @@ class PlainEngine:
                 self.lr_scheduler.step()
                 if self.master is not None:
                     self.master.copy_to_model()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.master is not None:
+                self.master.fresh = True  # its gradient buffers stay: the next backward overwrites them
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps += 1
 
     def get_global_grad_norm(self) -> float:
@@ -148,6 +151,7 @@ class MasterWeights:
     def __init__(self, model, names: list[list[tuple[torch.nn.Module, str]]], masters: list, copies: list,
                  frozen: list[tuple[torch.nn.Module, str, torch.nn.Parameter]]):
         self.model, self.names, self.masters, self.copies, self.frozen = model, names, masters, copies, frozen
+        self.fresh = True  # the next backward starts a step's gradients
 
     @classmethod
     def of(cls, model) -> MasterWeights:
@@ -171,15 +175,23 @@ class MasterWeights:
         return cls(model, names, masters, copies, frozen)
 
     def accumulate(self) -> None:
-        """Add the bf16 copies' gradients into the masters' (fp32) and free them."""
+        """Add the bf16 copies' gradients into the masters' (fp32) and free them. The masters'
+        gradient tensors are kept from step to step, and a step's first backward overwrites them:
+        freed and allocated anew at every step (4Ψ bytes), they made the kernel map and zero fresh
+        pages each time."""
         for master, copy in zip(self.masters, self.copies):
             if copy.grad is None:
+                if self.fresh:
+                    master.grad = None  # none in this step (so far): the last step's must not be stepped again
                 continue
             if master.grad is None:
                 master.grad = copy.grad.float()
+            elif self.fresh:
+                master.grad.copy_(copy.grad)
             else:
                 master.grad.add_(copy.grad)
             copy.grad = None
+        self.fresh = False
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

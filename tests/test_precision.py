@@ -112,7 +112,36 @@ def test_gradients_accumulate_in_fp32(tiny):
             expected = grads
         engine.step()  # the first is not a boundary: nothing is stepped or zeroed
     assert all(copy.grad is None for copy in engine.master.copies)
-    assert all(m.grad is None for m in engine.trainable_parameters())  # zeroed after the boundary step
+    # After the boundary step the next backward starts afresh: its gradients, not a sum with the
+    # last step's (the masters' gradient buffers are kept and overwritten).
+    model = engine.module
+    logits = model(input_ids=batches[0]["input_ids"], attention_mask=batches[0]["attention_mask"]).logits
+    nll, tokens = shifted_nll(logits, batches[0]["labels"])
+    (nll / tokens / 2).backward(retain_graph=True)  # the same scaling as engine.backward with 2 accumulation steps
+    alone = [copy.grad.float() for copy in engine.master.copies]
+    for copy in engine.master.copies:
+        copy.grad = None
+    engine.backward(nll / tokens)
+    for master, expected_grad in zip(engine.trainable_parameters(), alone):
+        torch.testing.assert_close(master.grad, expected_grad)
+
+
+def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_steps(tiny):
+    """The bf16 engine keeps its fp32 gradient buffers from step to step: a parameter that gets no
+    gradient in a step must not be stepped with the previous step's (AdamW skips a parameter
+    whose gradient is None, as after the fp32 engine's zero_grad)."""
+    engine = _engine(tiny, "bf16")
+    _train(engine, [_batch(tiny, slice(0, 8))])
+    embedding = engine.module.get_input_embeddings().weight
+    frozen_out = [copy for copy in engine.master.copies if copy is not embedding]
+    masters = dict(zip(map(id, engine.master.copies), engine.trainable_parameters()))
+    for copy in frozen_out:  # this step's backward reaches the embedding only
+        copy.requires_grad_(False)
+    before = {id(copy): masters[id(copy)].detach().clone() for copy in frozen_out}
+    _train(engine, [_batch(tiny, slice(8, 16))])
+    for copy in frozen_out:
+        assert torch.equal(masters[id(copy)], before[id(copy)]), "stepped with a stale gradient"
+    assert masters[id(embedding)].grad is not None
 
 
 def test_checkpoint_weights_are_the_masters_and_restore_fp32_gives_them_back(tiny):
