@@ -15,6 +15,7 @@ per device by component:
   for a Llama decoder layer as transformers runs it (RMSNorm, grouped-query attention through SDPA
   with a padding mask, SwiGLU MLP, no dropout) in our dtype; with gradient checkpointing, each
   layer's input plus one layer recomputed in the backward pass (their §4.2 "full recomputation");
+- attention scores where the padding-free forward keeps them (bf16 on a CPU: `attention_score_bytes`);
 - logits (`logit_bytes_per_token`): [tokens × vocabulary] in the compute dtype, its fp32 upcast and
   log-softmax, and the gradient flowing back through them — for small models with big
   vocabularies often the largest term;
@@ -307,19 +308,33 @@ def activation_bytes(arch: Architecture, tokens: int, element: int, checkpointin
 
 
 def logit_bytes_per_token(arch: Architecture, element: int) -> int:
-    """A training forward's logits per token: the LM head's output (e bytes), its fp32 upcast (a
-    copy: our losses slice and `.float()` it), log-softmax's fp32 output (kept for backward) and the
-    fp32 gradient coming back through them: (e + 12) · V."""
+    """A training forward's logits per token under a cross-entropy loss (SFT, the reward model's LM
+    term, PPO-ptx): the LM head's output (e bytes), its fp32 upcast (a copy: our losses slice and
+    `.float()` it), log-softmax's fp32 output (kept for backward) and the fp32 gradient coming back
+    through them: (e + 12) · V."""
     return (element + 12) * arch.vocab_size
+
+
+def policy_logit_bytes_per_token(arch: Architecture, element: int) -> int:
+    """PPO's policy logits per response token: the LM head's output, which `stages.ppo.logprobs`
+    keeps for its backward (its fp32 work is a few chunks of rows), and its gradient: 2e · V."""
+    return 2 * element * arch.vocab_size
+
+
+def attention_score_bytes(arch: Architecture, rows: int, length: int, element: int) -> int:
+    """The attention scores and probabilities that the padding-free forward keeps for backward
+    where it computes attention as explicit products (bf16 on a CPU, `llama.attention`): 2 ·
+    layers · heads · rows · length² · e. SDPA's fused kernels keep none."""
+    return 2 * arch.num_hidden_layers * arch.num_attention_heads * rows * length * length * element
 
 
 def inference_bytes(arch: Architecture, rows: int, length: int, logit_positions: int, element: int) -> int:
     """A no-grad forward (reference log-probs, values, scores): one layer's working set at a time
     (its input, q, k, v, and the MLP's gate and up) and the logits over the response positions in
-    the compute dtype plus two fp32 log-softmaxes (at the sampling temperature and at T = 1)."""
+    the compute dtype (`stages.ppo.logprobs` reads them a few rows at a time)."""
     h, i = arch.hidden_size, arch.intermediate_size
     working = rows * length * element * (4 * h + 2 * i)
-    return working + rows * logit_positions * arch.vocab_size * (element + 8)
+    return working + rows * logit_positions * arch.vocab_size * element
 
 
 def decode_linear_shapes(arch: Architecture) -> list[tuple[int, int]]:
@@ -451,6 +466,10 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         resolved = precisions.resolve(cfg.model.precision, device)
     element = 2 if resolved == "bf16" else 4
     sharding = stage_sharding(cfg, stage)
+    from stages.models import FAST_PATHS
+
+    fast_path = cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS
+    explicit_attention = fast_path and device == "cpu" and resolved == "bf16"  # `llama.attention` with gradients
     psi, largest = arch.params(), arch.largest_module_params()
     rm_psi = psi + arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
 
@@ -474,7 +493,9 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         r = cfg.reward
         tokens = reward_batch_tokens(r)
         rm = states("reward model", rm_psi, True)
-        rm.activations = activation_bytes(arch, tokens, element, False)
+        # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
+        rm.activations = activation_bytes(arch, tokens, element, False) + (
+            attention_score_bytes(arch, tokens, r.max_seq_len, element) // r.max_seq_len if explicit_attention else 0)
         rm.logits = tokens // 2 * logit_bytes_per_token(arch, element)  # the LM loss reads the chosen rows only
         roles = [rm]
         batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
@@ -500,18 +521,18 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # Rollout: the actor's KV cache while it samples, then no-grad forwards of the reference,
         # the critic and the reward model one after another; the larger of the two counts.
         kv = kv_cache_bytes(arch, rollout_rows, length, element)
-        from stages.models import FAST_PATHS
-        packed = (packed_weight_bytes(arch, rollout_rows, resolved) if device == "cpu" and cfg.model.fast_path == "auto"
-                  and arch.model_type in FAST_PATHS and (sharding.zero or 0) < 3 else 0)
+        packed = (packed_weight_bytes(arch, rollout_rows, resolved) if device == "cpu" and fast_path
+                  and (sharding.zero or 0) < 3 else 0)
         actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
                             inference_bytes(arch, rollout_rows, length, new, element))
         # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive
         # before the first backward (stages/ppo/trainer.py `optimise`).
+        scores = attention_score_bytes(arch, mb, length, element) if explicit_attention else 0
         if critic is not None:
-            critic.activations = activation_bytes(arch, mb * length, element, False)
+            critic.activations = activation_bytes(arch, mb * length, element, False) + scores
         if train_actor:
-            actor.activations = activation_bytes(arch, mb * length, element, False)
-            actor.logits = mb * new * logit_bytes_per_token(arch, element)
+            actor.activations = activation_bytes(arch, mb * length, element, False) + scores
+            actor.logits = mb * new * policy_logit_bytes_per_token(arch, element)
             if p.switches()["ptx"]:
                 ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
                 actor.activations += activation_bytes(arch, ptx_tokens, element, False)
