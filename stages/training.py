@@ -99,7 +99,8 @@ class PlainEngine:
                 norm = clip_with_norm([p for p in self.trainable_parameters() if p.grad is not None],
                                       self.max_grad_norm)
             self.last_grad_norm = math.nan if norm is None else norm
-            if norm is not None and not math.isfinite(norm):
+            skipped = norm is not None and not math.isfinite(norm)
+            if skipped:
                 self.skipped_steps += 1
                 print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
             else:
@@ -109,7 +110,7 @@ class PlainEngine:
                     self.master.copy_to_model()
             if self.master is not None:
                 self.master.fresh = True  # its gradient buffers stay: the next backward overwrites them
-            else:
+            if self.master is None or skipped:  # a skipped step's gradients are dropped, as DeepSpeed drops an overflow's
                 self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps += 1
 
