@@ -216,6 +216,7 @@ class MasterWeights:
 
     def restore(self) -> None:
         for places, master in zip(self.names, self.masters):
+            master.grad = None  # the kept gradient buffer must not outlive the engine in the published model
             for module, name in places:
                 setattr(module, name, master)
         for module, name, param in self.frozen:

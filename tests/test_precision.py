@@ -144,6 +144,16 @@ def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_s
     assert masters[id(embedding)].grad is not None
 
 
+def test_the_restored_fp32_model_holds_no_gradient_buffers(tiny):
+    """The bf16 engine keeps its fp32 gradient buffers between steps; the model it hands back for
+    saving (restore_fp32) must not carry them on (4 bytes per parameter for as long as it lives)."""
+    engine = _engine(tiny, "bf16")
+    _train(engine, [_batch(tiny, slice(0, 8))])
+    assert any(m.grad is not None for m in engine.trainable_parameters())
+    model = engine.restore_fp32()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_checkpoint_weights_are_the_masters_and_restore_fp32_gives_them_back(tiny):
     engine = _engine(tiny, "bf16")
     _train(engine, [_batch(tiny, slice(0, 8))])
