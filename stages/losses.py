@@ -17,15 +17,28 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from stages.logprobs import token_logprobs
 from stages.training import masked_mean
 
+
+def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions in [B, L] whose next token is labelled, those tokens): position t of a row
+    predicts labels[t + 1]; labels are -100 where nothing is predicted (prompt, padding)."""
+    following = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+    positions = (following != -100).reshape(-1).nonzero().squeeze(1)
+    return positions, following.reshape(-1).index_select(0, positions)
+
+
+def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """−Σ log p(target) over the rows of logits [M, vocab], in fp32 (`stages.logprobs`, in chunks of rows)."""
+    return -token_logprobs(logits, targets, 1.0).sum()
+
+
 def shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over the labelled positions (labels are -100 elsewhere), and their count."""
-    targets = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
-    )
-    return nll, int((targets != -100).sum())
+    """Summed next-token NLL over the labelled positions (labels are -100 elsewhere), and their count.
+    Only the rows of logits that predict a labelled token are read."""
+    positions, targets = next_token_targets(labels)
+    return nll_sum(logits.reshape(-1, logits.shape[-1]).index_select(0, positions), targets), len(targets)
 
 
 # -- reward model ------------------------------------------------------------------------------
@@ -42,17 +55,14 @@ def pairwise_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Ten
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def response_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(mean next-token NLL over labelled tokens, their count); labels are -100 elsewhere."""
-    # −(1/T) Σ_t log p(y_t | x, y_<t) over the response tokens
-    nll, count = shifted_nll(logits, labels)
-    return nll / max(count, 1), count
-
-
-def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, chosen_logits: torch.Tensor,
-                      chosen_labels: torch.Tensor, beta_rm: float) -> RewardLoss:
+def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, lm_logits: torch.Tensor,
+                      lm_targets: torch.Tensor, beta_rm: float) -> RewardLoss:
+    """`lm_logits` [M, vocab]: the logits at the M positions of the chosen answers that predict a
+    response token, `lm_targets` [M] those tokens (`next_token_targets`)."""
     pairwise = pairwise_loss(r_chosen, r_rejected)
-    lm, lm_tokens = response_lm_loss(chosen_logits, chosen_labels)
+    # L_LM(x, y_w) = −(1/T) Σ_t log p(y_t | x, y_<t) over the T response tokens
+    lm_tokens = len(lm_targets)
+    lm = nll_sum(lm_logits, lm_targets) / max(lm_tokens, 1)
     # L = −log σ(r_w − r_l) + β_rm · L_LM(x, y_w)
     return RewardLoss(total=pairwise + beta_rm * lm, pairwise=pairwise, lm=lm, lm_tokens=lm_tokens)
 

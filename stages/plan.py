@@ -16,8 +16,10 @@ per device by component:
   with a padding mask, SwiGLU MLP, no dropout) in our dtype; with gradient checkpointing, each
   layer's input plus one layer recomputed in the backward pass (their §4.2 "full recomputation");
 - attention scores where the padding-free forward keeps them (bf16 on a CPU: `attention_score_bytes`);
-- logits (`logit_bytes_per_token`): [tokens × vocabulary] in the compute dtype, its fp32 upcast and
-  log-softmax, and the gradient flowing back through them — for small models with big
+- logits: [tokens × vocabulary] in the compute dtype and their gradient, at every position under
+  transformers' forward (SFT, PPO-ptx: `logit_bytes_per_token`), at the predicting positions only
+  where we pick them (PPO's policy, the reward model's LM term: `picked_logit_bytes_per_token`);
+  `stages.logprobs` does its fp32 work a few rows at a time — for small models with big
   vocabularies often the largest term;
 - the generation KV cache: 2 · layers · kv heads · head dim · (prompt + new tokens) · batch · bytes;
 - on a CPU, the Llama decoder's packed copy of the actor's weights (`packed_weight_bytes`: bf16 in
@@ -308,16 +310,17 @@ def activation_bytes(arch: Architecture, tokens: int, element: int, checkpointin
 
 
 def logit_bytes_per_token(arch: Architecture, element: int) -> int:
-    """A training forward's logits per token under a cross-entropy loss (SFT, the reward model's LM
-    term, PPO-ptx): the LM head's output (e bytes), its fp32 upcast (a copy: our losses slice and
-    `.float()` it), log-softmax's fp32 output (kept for backward) and the fp32 gradient coming back
-    through them: (e + 12) · V."""
-    return (element + 12) * arch.vocab_size
+    """transformers' forward under a next-token loss (SFT, PPO-ptx): its logits at every position
+    (e bytes), the rows of the labelled positions copied out of them for `stages.logprobs`, which
+    keeps them for its backward (e), their gradient and the whole gradient (e each): 4e · V per
+    token, every position counted as labelled."""
+    return 4 * element * arch.vocab_size
 
 
-def policy_logit_bytes_per_token(arch: Architecture, element: int) -> int:
-    """PPO's policy logits per response token: the LM head's output, which `stages.ppo.logprobs`
-    keeps for its backward (its fp32 work is a few chunks of rows), and its gradient: 2e · V."""
+def picked_logit_bytes_per_token(arch: Architecture, element: int) -> int:
+    """The LM head on the predicting positions only (PPO's policy on the response, the reward
+    model's LM term on the chosen answers' response): its output, which `stages.logprobs` keeps
+    for its backward (its fp32 work is a few chunks of rows), and its gradient: 2e · V."""
     return 2 * element * arch.vocab_size
 
 
@@ -331,7 +334,7 @@ def attention_score_bytes(arch: Architecture, rows: int, length: int, element: i
 def inference_bytes(arch: Architecture, rows: int, length: int, logit_positions: int, element: int) -> int:
     """A no-grad forward (reference log-probs, values, scores): one layer's working set at a time
     (its input, q, k, v, and the MLP's gate and up) and the logits over the response positions in
-    the compute dtype (`stages.ppo.logprobs` reads them a few rows at a time)."""
+    the compute dtype (`stages.logprobs` reads them a few rows at a time)."""
     h, i = arch.hidden_size, arch.intermediate_size
     working = rows * length * element * (4 * h + 2 * i)
     return working + rows * logit_positions * arch.vocab_size * element
@@ -496,7 +499,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
         rm.activations = activation_bytes(arch, tokens, element, False) + (
             attention_score_bytes(arch, tokens, r.max_seq_len, element) // r.max_seq_len if explicit_attention else 0)
-        rm.logits = tokens // 2 * logit_bytes_per_token(arch, element)  # the LM loss reads the chosen rows only
+        rm.logits = tokens // 2 * picked_logit_bytes_per_token(arch, element)  # at most the chosen rows' positions
         roles = [rm]
         batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
         budget = "reward.token_budget" if r.dynamic_batching else "reward.fixed_pairs"
@@ -532,7 +535,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
             critic.activations = activation_bytes(arch, mb * length, element, False) + scores
         if train_actor:
             actor.activations = activation_bytes(arch, mb * length, element, False) + scores
-            actor.logits = mb * new * policy_logit_bytes_per_token(arch, element)
+            actor.logits = mb * new * picked_logit_bytes_per_token(arch, element)
             if p.switches()["ptx"]:
                 ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
                 actor.activations += activation_bytes(arch, ptx_tokens, element, False)

@@ -15,7 +15,7 @@ from stages.models import CachedDecoder, last_hidden_state, set_fast_path
 from stages.models.llama import Decoder as LlamaDecoder
 from stages.ppo.experience import response_logits
 from stages.ppo.generation import generate, left_pad
-from stages.ppo.logprobs import token_logprobs
+from stages.logprobs import token_logprobs
 from stages.sources import load_model
 
 

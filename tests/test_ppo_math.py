@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from stages.config import ConfigError, PPOConfig, load_config
 from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from stages.ppo.advantages import gae, masked_whiten
-from stages.ppo.logprobs import logprobs_and_entropy
+from stages.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
 
 

@@ -12,7 +12,7 @@ from stages.config import load_config
 from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.experience import response_logits
-from stages.ppo.logprobs import token_logprobs
+from stages.logprobs import token_logprobs
 from stages.ppo.trainer import warmup_steps
 from stages.reward.model import RewardModel
 from stages.sources import load_model

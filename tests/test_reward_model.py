@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.config import ModelConfig, RewardConfig
 from stages.launch import Dist
-from stages.losses import reward_model_loss
+from stages.losses import next_token_targets, reward_model_loss
 from stages.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
 from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
 from stages.sources import train_bpe_tokenizer
@@ -64,11 +64,42 @@ def test_loss_matches_a_hand_computed_case():
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0], [5.0, -5.0]],
                            [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
     labels = torch.tensor([[-100, 1, 0], [-100, -100, -100]])
-    loss = reward_model_loss(r_chosen, r_rejected, logits, labels, beta_rm=0.5)
+    positions, targets = next_token_targets(labels)
+    assert positions.tolist() == [0, 1] and targets.tolist() == [1, 0]
+    loss = reward_model_loss(r_chosen, r_rejected, logits.reshape(-1, 2)[positions], targets, beta_rm=0.5)
     assert loss.pairwise.item() == pytest.approx(0.720095, abs=1e-6)
     assert loss.lm.item() == pytest.approx(0.490415, abs=1e-6)
     assert loss.lm_tokens == 2
     assert loss.total.item() == pytest.approx(0.720095 + 0.5 * 0.490415, abs=1e-6)
+
+
+def test_the_loss_and_its_gradients_equal_the_whole_logits_formula(tokenizer):
+    """The stage's loss takes the LM head on the chosen answers' predicting positions only; the same
+    loss from the model's own forward, the LM head on every position and cross-entropy over the
+    shifted labels, gives the same value and the same gradient on every weight (fp32, the precision
+    of both losses' arithmetic)."""
+    pairs = encode_pairs(tokenizer, synthetic_pairs(6, seed=5), max_seq_len=64, max_response_len=16)
+    batch = pair_batch(pairs, tokenizer.pad_token_id, "cpu")
+    n, beta_rm = len(pairs), 0.7
+    model = tiny_reward_model(tokenizer)
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ours, ours_grads = gradients(forward_pairs(model, batch, n, beta_rm)[0].total)
+
+    rewards, _ = model(batch["input_ids"], batch["attention_mask"])
+    logits = model.lm(input_ids=batch["input_ids"][:n], attention_mask=batch["attention_mask"][:n]).logits
+    lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:n, 1:].flatten(),
+                                           ignore_index=-100)
+    pairwise = -torch.nn.functional.logsigmoid(rewards[:n] - rewards[n:]).mean()
+    whole, whole_grads = gradients(pairwise + beta_rm * lm)
+
+    torch.testing.assert_close(ours, whole, atol=1e-6, rtol=1e-6)
+    for a, b in zip(ours_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_last_token_pooling_is_the_same_for_left_and_right_padding(tokenizer):

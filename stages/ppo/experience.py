@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.ppo.generation import generate
-from stages.ppo.logprobs import token_logprobs
+from stages.logprobs import token_logprobs
 from stages.reward.model import RewardModel
 from stages.models import last_hidden_state
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from stages.models import decoder
-from stages.ppo.logprobs import token_logprobs
+from stages.logprobs import token_logprobs
 
 
 @dataclass

@@ -24,7 +24,7 @@ from stages.losses import (POLICY_STAT_NAMES, kl_estimate, kl_loss, ptx_loss, re
                            value_loss)
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
-from stages.ppo.logprobs import logprobs_and_entropy
+from stages.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
 from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from stages import sources
 from stages.config import ModelConfig
+from stages.losses import next_token_targets
 from stages.models import last_hidden_state
 
 SCORE_HEAD_FILE = "score_head.safetensors"
@@ -38,19 +39,26 @@ class RewardModel(torch.nn.Module):
         # A critic's: the running score statistics its pre-training ended with (RunningMoments.state_dict()).
         self.running_moments: dict | None = None
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lm_rows: int = 0):
-        """(reward of each row, LM logits of the first `lm_rows` rows)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lm_labels: torch.Tensor | None = None):
+        """(reward of each row, LM part): the LM part is None without `lm_labels` (the first rows'
+        labels, -100 elsewhere), else (LM logits [M, vocab] at the M positions of those rows that
+        predict a labelled token, those tokens [M])."""
         # Positions count real tokens only, so a left-padded row sees the positions of its
         # right-padded twin (absolute position embeddings included); pads cost no linear layer.
         last_index = last_token_index(attention_mask)
         # Without LM rows only the last tokens are read: the last layer skips positions before them.
-        first = 0 if lm_rows else int(last_index.min())
+        first = 0 if lm_labels is not None else int(last_index.min())
         hidden = last_hidden_state(self.lm.base_model, input_ids, attention_mask, from_position=first)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = hidden[rows, last_index - first]
         rewards = self.score_head(last.to(self.score_head.weight.dtype)).squeeze(-1).float()
-        lm_logits = self.lm.get_output_embeddings()(hidden[:lm_rows])
-        return rewards, lm_logits
+        if lm_labels is None:
+            return rewards, None
+        # The LM head on the predicting positions only: the prompts' and the padding's rows of a
+        # [rows, length, vocab] matrix would be computed, cast and normalised for nothing.
+        positions, targets = next_token_targets(lm_labels)
+        predicting = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        return rewards, (self.lm.get_output_embeddings()(predicting), targets)
 
 
 def reward_model_from_lm(model_dir: str, model_cfg: ModelConfig, dtype=None) -> RewardModel:

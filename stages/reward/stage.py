@@ -62,9 +62,10 @@ def pair_batch(pairs: list[EncodedPair], pad_id: int, device: str) -> dict[str, 
 
 def forward_pairs(model, batch: dict[str, torch.Tensor], n_pairs: int, beta_rm: float):
     """(loss, r(chosen), r(rejected)) of a batch made by `pair_batch`."""
-    rewards, chosen_logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], lm_rows=n_pairs)
+    rewards, (lm_logits, lm_targets) = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             lm_labels=batch["labels"][:n_pairs])
     r_chosen, r_rejected = rewards[:n_pairs], rewards[n_pairs:]
-    loss = reward_model_loss(r_chosen, r_rejected, chosen_logits, batch["labels"][:n_pairs], beta_rm)
+    loss = reward_model_loss(r_chosen, r_rejected, lm_logits, lm_targets, beta_rm)
     return loss, r_chosen, r_rejected
 
 

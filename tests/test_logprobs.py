@@ -1,4 +1,4 @@
-"""stages.ppo.logprobs: log π(a | s) and H(π(· | s)) in chunks of rows, with their own backward,
+"""stages.logprobs: log π(a | s) and H(π(· | s)) in chunks of rows, with their own backward,
 against the whole-matrix formulas under autograd."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.ppo import logprobs as chunked
-from stages.ppo.logprobs import logprobs_and_entropy
+from stages import logprobs as chunked
+from stages.logprobs import logprobs_and_entropy, token_logprobs
 
 
 def whole_matrix(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
@@ -46,3 +46,19 @@ def test_a_bf16_logits_matrix_gets_a_bf16_gradient_and_fp32_outputs():
     torch.testing.assert_close(entropy.detach(), expected[1])
     (grad,) = torch.autograd.grad(logprobs.sum(), logits)
     assert grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_alone_and_its_gradient_equal_the_whole_matrix_formula(monkeypatch, temperature):
+    """`token_logprobs` skips the entropy: the same log π and gradient as the whole-matrix formula."""
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 37)
+    torch.manual_seed(2)
+    logits = (torch.randn(2, 4, 37, dtype=torch.float64) * 4).requires_grad_()
+    tokens = torch.randint(0, 37, (2, 4))
+    weights = torch.randn(2, 4, dtype=torch.float64)
+    expected = whole_matrix(logits, tokens, temperature)[0]
+    ours = token_logprobs(logits, tokens, temperature)
+    assert ours.shape == tokens.shape
+    torch.testing.assert_close(ours.double(), expected.double(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad((ours.double() * weights).sum(), logits)[0],
+                               torch.autograd.grad((expected.double() * weights).sum(), logits)[0], atol=2e-6, rtol=1e-5)

@@ -1,7 +1,8 @@
 """log π(a | s) of the taken tokens and the entropy of π(· | s), from logits, in chunks of rows.
 
-PPO reads both from a [tokens, vocabulary] logits matrix (49,152 columns for SmolLM2). Taken
-whole, in fp32, every step — the cast, the division by the temperature, the log-softmax, the exp
+PPO reads both from a [tokens, vocabulary] logits matrix (49,152 columns for SmolLM2); the
+next-token NLL of SFT, of the reward model's LM term and of PPO-ptx reads log p alone. Taken whole,
+in fp32, every step — the cast, the division by the temperature, the log-softmax, the exp
 for the entropy, and as many in the backward — passes over a fresh matrix too large for any cache,
 and autograd keeps fp32 copies of it for the backward. Here each chunk of rows goes through all the
 steps while it is in cache, and the backward recomputes the softmax from the logits kept as they
@@ -23,13 +24,16 @@ def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature
     """(log π(a | s), H(π(· | s))) in fp32, shaped like `tokens`, from logits [..., vocab];
     differentiable in both."""
     vocab = logits.shape[-1]
-    logprobs, entropy = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature))
+    logprobs, entropy = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature), True)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(a | s) under logits / temperature, in fp32."""
-    return logprobs_and_entropy(logits, tokens, temperature)[0]
+    """log π(a | s) under logits / temperature, in fp32, shaped like `tokens`; differentiable (no entropy
+    computed)."""
+    vocab = logits.shape[-1]
+    logprobs, _ = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature), False)
+    return logprobs.view(tokens.shape)
 
 
 def _chunks(rows: int, vocab: int):
@@ -39,15 +43,17 @@ def _chunks(rows: int, vocab: int):
 
 class _LogprobsAndEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
         rows, vocab = logits.shape
-        logprobs, entropy, log_normaliser = (logits.new_empty(rows, dtype=torch.float32) for _ in range(3))
+        logprobs, log_normaliser = (logits.new_empty(rows, dtype=torch.float32) for _ in range(2))
+        entropy = logits.new_empty(rows if with_entropy else 0, dtype=torch.float32)
         for part in _chunks(rows, vocab):
             z = logits[part].float() / temperature
             lse = torch.logsumexp(z, dim=-1)
             log_p = z.sub_(lse[:, None])
             logprobs[part] = log_p.gather(1, tokens[part, None]).squeeze(1)
-            entropy[part] = -(log_p.exp() * log_p).sum(-1)
+            if with_entropy:
+                entropy[part] = -(log_p.exp() * log_p).sum(-1)
             log_normaliser[part] = lse
         ctx.save_for_backward(logits, tokens, log_normaliser, entropy)
         ctx.temperature = temperature
@@ -69,4 +75,4 @@ class _LogprobsAndEntropy(torch.autograd.Function):
             if grad_entropy is not None:  # ∂H / ∂z_i = −p_i (log p_i + H)
                 g.sub_(p * (log_p + entropy[part, None]) * grad_entropy[part, None])
             grad[part] = g / temperature
-        return grad, None, None
+        return grad, None, None, None
