@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stages.models import fused
 from stages.models.plain import partitioned, position_ids
 from stages.precision import cpu_vendor
 
@@ -39,11 +40,22 @@ def decoder_applies(model) -> bool:
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """A LlamaRMSNorm module's output; in fp32 (no autocast) from torch's one-kernel form, the same
-    numbers in one kernel forward and backward instead of the module's five operations."""
-    if (x.dtype == norm.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
-            and not partitioned(norm.weight)):
+    numbers in one kernel forward and backward instead of the module's five operations; in bf16 on
+    a CPU under autograd from a compiled kernel of the module's formula (`fused`)."""
+    if partitioned(norm.weight):
+        return norm(x)
+    if x.dtype == norm.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
         return F.rms_norm(x, x.shape[-1:], norm.weight, norm.variance_epsilon)
+    if x.dtype == norm.weight.dtype and fused.applies(x):
+        return fused.fused(fused.rms_norm, x, norm.weight, norm.variance_epsilon)
     return norm(x)
+
+
+def mlp(module, x: torch.Tensor) -> torch.Tensor:
+    """A LlamaMLP's output, down(act(gate(x)) · up(x)); SiLU · up from a compiled kernel where `fused` applies."""
+    if getattr(module.config, "hidden_act", None) in ("silu", "swish") and fused.applies(x):
+        return module.down_proj(fused.fused(fused.swiglu, module.gate_proj(x), module.up_proj(x)))
+    return module(x)
 
 
 def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, from_position: int = 0,
@@ -94,7 +106,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
         out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling)
         # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1).index_select(0, query_index))
-        x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+        x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
     x = rms_norm(base_model.norm, x)
     queries = length - from_position
     return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
