@@ -137,12 +137,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """`attention` as matrix products and a softmax."""
-    batch, heads, length, d = q.shape
-    kv_heads = k.shape[1]
-    # Query heads g·j … g·j + g − 1 share key/value head j (SDPA's enable_gqa).
-    q = q.reshape(batch, kv_heads, heads // kv_heads, length, d) * scale
-    scores = q @ k.unsqueeze(2).transpose(-1, -2) + mask.unsqueeze(2)  # [B, kv_heads, g, Lq, L]
-    return (scores.softmax(dim=-1) @ v.unsqueeze(2)).reshape(batch, heads, length, d)
+    batch, heads, queries, d = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # Query heads g·j … g·j + g − 1 share key/value head j (SDPA's enable_gqa): stacked as the rows
+    # of one product with that head's keys and values, which are then never copied per query head.
+    q = (q * scale).reshape(batch, kv_heads, group * queries, d)
+    # The mask is added in place: the product's backward reads q and k, not its output.
+    scores = (q @ k.transpose(-1, -2)).view(batch, kv_heads, group, queries, keys).add_(mask.unsqueeze(2))
+    probabilities = scores.softmax(dim=-1).view(batch, kv_heads, group * queries, keys)
+    return (probabilities @ v).view(batch, heads, queries, d)
 
 
 class Decoder:
