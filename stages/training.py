@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stages import allocator
-
 if TYPE_CHECKING:
     from stages.launch import Dist
 
@@ -240,8 +238,6 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
     """The engine that trains `model` (fp32 weights; `optimizer` built over them) in `precision`
     (resolved, `stages.precision.resolve`): `PlainEngine`, or DeepSpeed's with its bf16 mode (which
     keeps fp32 master weights in its optimiser) when the stage runs on DeepSpeed ranks."""
-    if dist.device == "cpu":
-        allocator.keep_freed_memory()  # a training step's tensors reuse pages already faulted in
     if dist.deepspeed_config is None:
         return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm, precision)
     import deepspeed
