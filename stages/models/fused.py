@@ -4,9 +4,9 @@ Between its matrix products a decoder layer runs chains of small elementwise ope
 RMSNorm's cast, square, mean, rsqrt, product and cast back, SwiGLU's SiLU and product. In eager
 mode each is its own pass over a [tokens, hidden] matrix, and their backward as many again; on a
 CPU in bf16 a reward-model training step spent more time in such passes than in its matrix
-products (bench/README.md). Here each chain is one function compiled by torch's inductor into one C++ loop
-forward and one backward (`torch.compile`, shapes dynamic: one compilation serves every batch),
-with the same formulas as the eager modules (LlamaRMSNorm's two roundings to bf16 included); the
+products (bench/README.md). Here each chain is one function compiled by torch's inductor into one
+C++ loop forward and one backward (`torch.compile`, shapes dynamic: one compilation serves every
+batch), with the same formulas as the eager modules (LlamaRMSNorm's two roundings to bf16 included); the
 results differ from eager only in the order of fp32 sums and where a fused chain skips an
 intermediate rounding to bf16. bench/fused.py compares the two.
 
