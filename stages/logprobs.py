@@ -23,17 +23,20 @@ CHUNK_ELEMENTS = 1 << 20  # fp32 elements of one chunk (4 MiB): a few such array
 def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(a | s), H(π(· | s))) in fp32, shaped like `tokens`, from logits [..., vocab];
     differentiable in both."""
-    vocab = logits.shape[-1]
-    logprobs, entropy = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature), True)
+    logprobs, entropy = _by_rows(logits, tokens, temperature, with_entropy=True)
     return logprobs.view(tokens.shape), entropy.view(tokens.shape)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log π(a | s) under logits / temperature, in fp32, shaped like `tokens`; differentiable (no entropy
     computed)."""
-    vocab = logits.shape[-1]
-    logprobs, _ = _LogprobsAndEntropy.apply(logits.reshape(-1, vocab), tokens.reshape(-1), float(temperature), False)
-    return logprobs.view(tokens.shape)
+    return _by_rows(logits, tokens, temperature, with_entropy=False)[0].view(tokens.shape)
+
+
+def _by_rows(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
+    """`_LogprobsAndEntropy` over logits flattened to [rows, vocab]: (log π, entropy or an empty tensor), flat."""
+    return _LogprobsAndEntropy.apply(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), float(temperature),
+                                     with_entropy)
 
 
 def _chunks(rows: int, vocab: int):
