@@ -47,10 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import Worker, allocator_settings, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python, wait_for_turn
+from turns import Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python, wait_for_turn
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
 TRL_VENV = BENCH / ".venv-trl"
 TRL_VERSION = "1.12.0"
 TEMPERATURE = 0.7  # TRL's PPOConfig default
@@ -139,6 +138,7 @@ def our_trainer(spec: dict):
     import torch
 
     torch.set_num_threads(spec["threads"])
+    sys.path.insert(0, str(BENCH.parent))
     from stages.config import PipelineConfig
     from stages.launch import Dist
     from stages.ppo.stage import initial_moments, load_models
@@ -260,7 +260,7 @@ def main() -> None:
     from stages.precision import describe
 
     torch.set_num_threads(args.threads)
-    print(f"before: {load_average()}; {allocator_settings()}", flush=True)
+    print(f"before: {load_average()}", flush=True)
     python = trl_python(TRL_VENV, TRL_VERSION, "import trl.experimental.ppo")
     trl_runs = {"TRL fp32": False} if args.precision == "fp32" else {"TRL fp32": False, "TRL bf16": True}
     iterations: dict[str, list[dict]] = {}

@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, allocator_settings, chunk_bounds, finish, load_average, ready, report_turn, spread, synchronize, take_turns,
+from turns import (Worker, chunk_bounds, finish, load_average, ready, report_turn, spread, synchronize, take_turns,
                    trl_python, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
@@ -260,7 +260,7 @@ def main() -> None:
 
     from stages.precision import describe
 
-    print(f"before: {load_average()}; {allocator_settings()}", flush=True)
+    print(f"before: {load_average()}", flush=True)
     python = trl_python(TRL_VENV, TRL_VERSION, f"import trl; from trl import RewardTrainer; "
                                                f"assert trl.__version__ == '{TRL_VERSION}'")
     trl_runs = {"TRL fp32": False} if args.precision == "fp32" else {"TRL fp32": False, "TRL bf16": True}

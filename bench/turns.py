@@ -126,15 +126,6 @@ def load_average() -> str:
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min) on {os.cpu_count()} cores"
 
 
-def allocator_settings() -> str:
-    """The allocator settings every side's process starts with: ours (`stages.process`) are applied in
-    the parent, whose environment each side inherits, so TRL's side runs under the same ones."""
-    from stages.process import DEFAULTS, apply_defaults
-
-    apply_defaults()
-    return "allocator settings, every side: " + ", ".join(f"{name}={os.environ[name]}" for name in DEFAULTS)
-
-
 def trl_python(venv: Path, version: str, check: str) -> Path:
     """venv/bin/python with trl==version installed (`check`, a Python statement, must succeed);
     created once. The environment sees the torch and transformers of the running interpreter's
