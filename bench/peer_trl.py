@@ -50,6 +50,7 @@ from pathlib import Path
 from turns import Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python, wait_for_turn
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
 TRL_VENV = BENCH / ".venv-trl"
 TRL_VERSION = "1.12.0"
 TEMPERATURE = 0.7  # TRL's PPOConfig default
@@ -138,7 +139,6 @@ def our_trainer(spec: dict):
     import torch
 
     torch.set_num_threads(spec["threads"])
-    sys.path.insert(0, str(BENCH.parent))
     from stages.config import PipelineConfig
     from stages.launch import Dist
     from stages.ppo.stage import initial_moments, load_models
