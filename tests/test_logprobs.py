@@ -9,21 +9,30 @@ import torch
 from stages import logprobs as chunked
 from stages.logprobs import logprobs_and_entropy, token_logprobs
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # each device has its own chunk size
+
+
+def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
+    """Chunks of `rows` rows on every device, so that rows cross chunk edges."""
+    for name in ("CHUNK_ELEMENTS", "DEVICE_CHUNK_ELEMENTS"):
+        monkeypatch.setattr(chunked, name, rows * vocab)
+
 
 def whole_matrix(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     log_pi = torch.log_softmax(logits.float() / temperature, dim=-1)
     return log_pi.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_pi.exp() * log_pi).sum(-1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("differentiated", ["both", "logprobs", "entropy"])
 def test_chunked_logprobs_and_entropy_and_their_gradients_equal_the_whole_matrix_formulas(monkeypatch, temperature,
-                                                                                          differentiated):
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 37)  # chunks of 3 rows: 7 rows cross chunk edges
+                                                                                          differentiated, device):
+    small_chunks(monkeypatch, 3, 37)  # chunks of 3 rows: 7 rows cross chunk edges
     torch.manual_seed(0)
-    logits = (torch.randn(7, 37, dtype=torch.float64) * 4).requires_grad_()
-    tokens = torch.randint(0, 37, (7,))
-    weights = torch.randn(2, 7, dtype=torch.float64)
+    logits = (torch.randn(7, 37, dtype=torch.float64) * 4).to(device).requires_grad_()
+    tokens = torch.randint(0, 37, (7,)).to(device)
+    weights = torch.randn(2, 7, dtype=torch.float64).to(device)
     results = {}
     for name, function in (("whole", whole_matrix), ("chunked", logprobs_and_entropy)):
         logprobs, entropy = function(logits, tokens, temperature)
@@ -51,7 +60,7 @@ def test_a_bf16_logits_matrix_gets_a_bf16_gradient_and_fp32_outputs():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_alone_and_its_gradient_equal_the_whole_matrix_formula(monkeypatch, temperature):
     """`token_logprobs` skips the entropy: the same log π and gradient as the whole-matrix formula."""
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 3 * 37)
+    small_chunks(monkeypatch, 3, 37)
     torch.manual_seed(2)
     logits = (torch.randn(2, 4, 37, dtype=torch.float64) * 4).requires_grad_()
     tokens = torch.randint(0, 37, (2, 4))
