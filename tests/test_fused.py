@@ -12,20 +12,22 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from stages.models import fused, last_hidden_state, set_fast_path
 
 BF16_STEP = 2.0**-7  # bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-8 of it
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # C++ kernels on a CPU, Triton on a GPU
 
 
-def test_the_compiled_kernels_equal_the_eager_modules_forward_and_backward():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_compiled_kernels_equal_the_eager_modules_forward_and_backward(device):
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(48, eps=1e-5).to(torch.bfloat16)
+    norm = LlamaRMSNorm(48, eps=1e-5).to(device, torch.bfloat16)
     norm.weight.data.uniform_(0.5, 1.5)
-    x = torch.randn(37, 48).to(torch.bfloat16).requires_grad_()
-    gate, up = (torch.randn(37, 96).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    x = torch.randn(37, 48).to(device, torch.bfloat16).requires_grad_()
+    gate, up = (torch.randn(37, 96).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
     cases = {"rms_norm": (lambda: fused.fused(fused.rms_norm, x, norm.weight, norm.variance_epsilon), lambda: norm(x),
                           (x, norm.weight)),
              "swiglu": (lambda: fused.fused(fused.swiglu, gate, up), lambda: torch.nn.functional.silu(gate) * up,
                         (gate, up))}
     for name, (compiled, eager, inputs) in cases.items():
-        output_grad = torch.randn(37, inputs[0].shape[1]).to(torch.bfloat16)
+        output_grad = torch.randn(37, inputs[0].shape[1]).to(device, torch.bfloat16)
         ours, theirs = compiled(), eager()
         assert ours.dtype == theirs.dtype == torch.bfloat16
         torch.testing.assert_close(ours, theirs, atol=BF16_STEP, rtol=BF16_STEP, msg=name)
@@ -36,8 +38,9 @@ def test_the_compiled_kernels_equal_the_eager_modules_forward_and_backward():
     assert set(fused._compiled) == {fused.rms_norm, fused.swiglu}  # compiled, not the eager fallback
 
 
-def test_they_apply_to_bf16_on_a_cpu_under_autograd_only():
-    x = torch.ones(2, 3, dtype=torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_they_apply_to_bf16_under_autograd_only(device):
+    x = torch.ones(2, 3, dtype=torch.bfloat16, device=device)
     assert fused.applies(x) and not fused.applies(x.float())
     with torch.no_grad():
         assert not fused.applies(x)
@@ -59,7 +62,8 @@ def test_a_failed_compilation_warns_once_and_runs_the_eager_form(monkeypatch):
     assert not fused.applies(gate)  # from now on, eager without trying again
 
 
-def test_the_bf16_padding_free_forward_is_as_close_to_fp64_as_the_models_own_bf16_forward():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_bf16_padding_free_forward_is_as_close_to_fp64_as_the_models_own_bf16_forward(device):
     """Its hidden states and weight gradients, against the same model in fp64: its error is within
     twice the model's own bf16 forward's (the roundings differ, not their number)."""
     torch.manual_seed(0)
@@ -72,11 +76,12 @@ def test_the_bf16_padding_free_forward_is_as_close_to_fp64_as_the_models_own_bf1
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     mask[1, -2:] = 0
+    ids, mask = ids.to(device), mask.to(device)
     real = mask.bool()[..., None]
-    weights = torch.randn(3, 9, 48, dtype=torch.float64) * real
+    weights = torch.randn(3, 9, 48, dtype=torch.float64, device=device) * real
 
     def run(dtype, fast_path):
-        copy = LlamaForCausalLM(model.config).to(dtype)
+        copy = LlamaForCausalLM(model.config).to(device, dtype)
         copy.load_state_dict(model.state_dict())
         set_fast_path(copy, fast_path)
         hidden = last_hidden_state(copy.base_model, ids, mask) * real
