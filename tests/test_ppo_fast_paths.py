@@ -251,10 +251,12 @@ def test_the_entropy_bonus_reaches_the_actor_only_when_its_coefficient_is_set(ti
     assert any(not torch.allclose(a, b) for a, b in zip(plain_actor, bonus_actor))
 
 
-def test_the_explicit_attention_equals_sdpa_over_grouped_query_heads():
-    """The products that the padding-free forward uses in bf16 on a CPU under autograd
-    (`llama.attention`), against SDPA: output and gradients, with a padded causal mask."""
-    from stages.models.llama import explicit_attention
+@pytest.mark.parametrize("form", ["explicit", "expanded"])
+def test_the_explicit_and_expanded_attention_equal_sdpa_over_grouped_query_heads(form):
+    """The forms of `llama.attention` that the padding-free forward uses in bf16 on a CPU under
+    autograd (explicit products) and on a GPU (keys and values expanded to every query head, no
+    cuDNN), against SDPA's grouped-query form: output and gradients, with a padded causal mask."""
+    from stages.models.llama import expanded_attention, explicit_attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
@@ -265,7 +267,7 @@ def test_the_explicit_attention_equals_sdpa_over_grouped_query_heads():
     mask = torch.zeros(2, 1, 6, 6, dtype=torch.float64).masked_fill_(~allowed, -torch.inf)
     grad = torch.randn(2, 4, 6, 8, dtype=torch.float64)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
-    ours = explicit_attention(q, k, v, mask, 0.3)
+    ours = {"explicit": explicit_attention, "expanded": expanded_attention}[form](q, k, v, mask, 0.3)
     torch.testing.assert_close(ours, sdpa)
     for theirs, mine in zip(torch.autograd.grad(sdpa, (q, k, v), grad), torch.autograd.grad(ours, (q, k, v), grad)):
         torch.testing.assert_close(mine, theirs)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages.models import fused
 from stages.models.plain import partitioned, position_ids
@@ -41,7 +42,7 @@ def decoder_applies(model) -> bool:
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """A LlamaRMSNorm module's output; in fp32 (no autocast) from torch's one-kernel form, the same
     numbers in one kernel forward and backward instead of the module's five operations; in bf16 on
-    a CPU under autograd from a compiled kernel of the module's formula (`fused`)."""
+    under autograd (CPU or GPU) from a compiled kernel of the module's formula (`fused`)."""
     if partitioned(norm.weight):
         return norm(x)
     if x.dtype == norm.weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
@@ -129,10 +130,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """softmax(q kᵀ · scale + mask) v over grouped-query heads: q [B, heads, Lq, d], k and v
     [B, kv_heads, L, d], mask [B, 1, Lq, L] additive. SDPA's fused kernel, except in bf16 on a CPU
     with gradients: there the explicit products, whose backward ran ×2 faster than SDPA's, which in
-    fp32 was the faster one (bench/attention.py measures both)."""
+    fp32 was the faster one (bench/attention.py measures both); and on a GPU, `expanded_attention`."""
+    if q.device.type == "cuda":
+        return expanded_attention(q, k, v, mask, scale)
     if not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and q.requires_grad):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return explicit_attention(q, k, v, mask, scale)
+
+
+# SDPA's kernels other than cuDNN's, the memory-efficient one first where it applies.
+NOT_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attention` with the keys and values repeated for every query head, by SDPA's kernels other
+    than cuDNN's. On a GPU, grouped-query heads with a mask leave SDPA only cuDNN's kernel (the
+    memory-efficient one takes no `enable_gqa`), and cuDNN builds a plan for every new shape: with
+    dynamic token batches, whose shapes are new at most steps of an epoch, that cost ~150 ms a step
+    on an H200 (bench/README.md). With the heads expanded, as transformers' own SDPA path does, the
+    memory-efficient kernel takes the mask and has no per-shape cost."""
+    group = q.shape[1] // k.shape[1]
+    with sdpa_kernel(NOT_CUDNN):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                                              attn_mask=mask, scale=scale)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
