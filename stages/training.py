@@ -69,6 +69,9 @@ class PlainEngine:
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.master = MasterWeights.of(model) if precision == "bf16" else None
+        # Under bf16 the masters' gradient buffers are kept from step to step (MasterWeights.accumulate):
+        # made here with the optimiser's state, before any batch.
+        allocate_optimizer_state(optimizer, keep_gradients=self.master is not None)
         self.micro_steps = 0
         self.last_grad_norm = 0.0
         self.skipped_steps = 0
@@ -221,6 +224,40 @@ class MasterWeights:
                 setattr(module, name, master)
         for module, name, param in self.frozen:
             setattr(module, name, param)
+
+
+@torch.no_grad()
+def allocate_optimizer_state(optimizer, keep_gradients: bool) -> None:
+    """Make the optimiser's per-parameter state (AdamW's two moments: 8 bytes a parameter) now, by
+    torch's own code: one step on zero gradients at lr 0, which moves no weight, then the state's
+    step counts back to 0, so the first real step is stepped as the first (the same numbers as a
+    fresh optimiser's: tests/test_precision.py). Made lazily at the first step instead, the state took
+    the memory the first batch's activations had just freed, and the second batch's activations
+    were mapped and zeroed anew: a PPO iteration on the demo model faulted in 1.5 GiB of fresh pages
+    in its second iteration (bench/README.md). `keep_gradients`: leave the zero gradients as the
+    parameters' gradient buffers, else free them. Left as they are: no optimiser, one that has
+    state already (resumed from a checkpoint), parameters that hold gradients already."""
+    if optimizer is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or any(optimizer.state.get(p) or p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+    if not keep_gradients:
+        for p in params:
+            p.grad = None
 
 
 def adamw(model, **options):

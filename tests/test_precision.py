@@ -11,7 +11,7 @@ from stages import precision
 from stages.config import ConfigError, load_config
 from stages.losses import shifted_nll
 from stages.sources import load_model
-from stages.training import PlainEngine, adamw, collate, linear_warmup, trained_model
+from stages.training import MasterWeights, PlainEngine, adamw, clip_with_norm, collate, linear_warmup, trained_model
 from ppo_helpers import make_trainer
 
 
@@ -68,6 +68,46 @@ def _train(engine: PlainEngine, batches) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_the_optimiser_state_is_made_with_the_engine_and_steps_as_a_fresh_optimisers(tiny, mode):
+    """The engine makes AdamW's state before the first batch (allocate_optimizer_state), and its
+    training gives the same weights, bit for bit, as a fresh optimiser that makes its state at the
+    first step: the zero-lr step moved nothing and the step counts start again from 0."""
+    folder, _, _ = tiny
+    torch.manual_seed(0)
+    model = load_model(folder, load_config("tiny").model)
+    optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)  # AdamW's decay must not move at lr 0
+    engine = PlainEngine(model, optimizer, linear_warmup(optimizer, 0), 1, 1.0, mode)
+    masters = engine.trainable_parameters()
+    assert all(set(engine.optimizer.state[m]) >= {"step", "exp_avg", "exp_avg_sq"} for m in masters)
+    assert all((m.grad is not None) == (mode == "bf16") for m in masters)  # bf16 keeps its gradient buffers
+    batches = [_batch(tiny, slice(i * 4, i * 4 + 4)) for i in range(3)]
+    _train(engine, batches)
+
+    torch.manual_seed(0)
+    model = load_model(folder, load_config("tiny").model)
+    lazy = MasterWeights.of(model) if mode == "bf16" else None
+    params = lazy.masters if lazy else [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    assert not optimizer.state
+    scheduler = linear_warmup(optimizer, 0)
+    for batch in batches:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll, tokens = shifted_nll(logits, batch["labels"])
+        (nll / tokens).backward()
+        if lazy:
+            lazy.accumulate()
+        clip_with_norm([p for p in params if p.grad is not None], 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lazy:
+            lazy.copy_to_model()
+            lazy.fresh = True
+    for ours, theirs in zip(masters, params, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_bf16_engine_computes_in_bf16_and_steps_fp32_masters(tiny):
