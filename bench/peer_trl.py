@@ -25,7 +25,7 @@ turns, one iteration at a time: pair k runs TRL's iteration k then ours for even
 for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike. With
 two TRL runs, ours plays each in turn (a fresh process of ours per TRL run; three at once would not
 fit in 24 GiB). The first `--warmup` pairs of each are left out. Printed: each pair's seconds and
-TRL / ours; per side s/iteration, episodes/s, response tokens/s (tokens up to and including EOS),
+TRL / ours, our phases' seconds and each side's page faults in that iteration; per side s/iteration, episodes/s, response tokens/s (tokens up to and including EOS),
 prompt and response tokens per iteration, peak RSS; ours / TRL (best) over all measured
 iterations; the median and range of the pairs' ratios; which bf16 support the CPU has; and our MFU
 over the measured iterations per phase (generate, experience, train; bench/flops.py's model FLOPs)
@@ -293,9 +293,12 @@ def main() -> None:
             # speed (minutes long on a shared VM) hits both sides of a pair alike.
             def show(k: int, pair: dict) -> None:
                 trl, ours = pair[trl_side], pair[ours_side]
+                phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in ours["phase_seconds"].items())
                 print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: {trl_side} {trl['seconds']:6.2f} s "
                       f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
-                      f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}", flush=True)
+                      f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}; ours: {phases} s; "
+                      f"page faults minor/major: {trl_side} {trl['page_faults']}/{trl['major_faults']}, "
+                      f"ours {ours['page_faults']}/{ours['major_faults']}", flush=True)
 
             iterations.update(take_turns(workers, total, show))
             peaks.update({side: worker.peak_rss_mib() for side, worker in workers.items()})

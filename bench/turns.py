@@ -27,15 +27,30 @@ def ready(**fields) -> None:
     print("READY " + json.dumps(fields), flush=True)
 
 
+_faults_at_turn_start = (0, 0)
+
+
+def _faults() -> tuple[int, int]:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_majflt
+
+
 def wait_for_turn() -> float:
     """Block until the parent gives this side its next turn; the time it starts."""
+    global _faults_at_turn_start
     if sys.stdin.readline().strip() != "go":
         sys.exit("bench worker: the parent ended the run")
+    _faults_at_turn_start = _faults()
     return time.perf_counter()
 
 
 def report_turn(**fields) -> None:
-    print("TURN " + json.dumps(fields), flush=True)
+    """The turn's fields, with the page faults this process took since its turn began (minor: a page
+    mapped anew and zeroed; major: one read back from a file)."""
+    (minor, major), (minor_0, major_0) = _faults(), _faults_at_turn_start
+    print("TURN " + json.dumps({**fields, "page_faults": minor - minor_0, "major_faults": major - major_0}), flush=True)
 
 
 def finish() -> None:
