@@ -47,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python, wait_for_turn
+from turns import (Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python,
+                   wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
@@ -123,6 +124,8 @@ def run_trl(spec: dict) -> None:
             state["done"] += 1
             if state["done"] < total:
                 state["started"] = wait_for_turn()
+            else:
+                wait_for_the_end()  # before the trainer's own wrap-up
 
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=reference,
                          reward_model=reward_model, value_model=value_model, train_dataset=dataset,

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from turns import (Worker, chunk_bounds, finish, load_average, ready, report_turn, spread, synchronize, take_turns,
-                   trl_python, wait_for_turn)
+                   trl_python, wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
@@ -122,6 +122,8 @@ def run_trl(spec: dict) -> None:
                 self.chunk += 1
                 if self.chunk + 1 < len(self.bounds):
                     self.started, self.cpu_started = wait_for_turn(), time.process_time()
+                else:
+                    wait_for_the_end()  # before the trainer's own wrap-up
 
     turns = Turns()
     trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[turns])

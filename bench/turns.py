@@ -53,8 +53,27 @@ def report_turn(**fields) -> None:
     print("TURN " + json.dumps({**fields, "page_faults": minor - minor_0, "major_faults": major - major_0}), flush=True)
 
 
+_ended = False
+
+
+def wait_for_the_end() -> None:
+    """After this side's last turn: wait, idle, until the parent says every side has had all its
+    turns (`Worker.peak_rss_mib`). A side's process that went on to its own end at once (a
+    trainer's wrap-up after its last step, gigabytes freed at exit) did so while the other side's
+    last turn was timed: with TRL's PPO process ending beside it, our last iteration ran 2.5–4 s
+    slower than the others in every peer_trl.py run, and in no run of ours alone."""
+    global _ended
+    if not _ended:
+        if sys.stdin.readline().strip() != "finish":
+            sys.exit("bench worker: the parent ended the run")
+        _ended = True
+
+
 def finish() -> None:
+    """Once every side is done (`wait_for_the_end`): this side's peak memory, for the parent."""
     import resource
+
+    wait_for_the_end()
 
     result = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
     if (cuda := _cuda_in_use()) is not None:
@@ -104,6 +123,7 @@ class Worker:
 
     def peak_rss_mib(self) -> float:
         """The side's peak RSS, once it has finished (its peak GPU memory, on a GPU, in `peak_gpu_mib`)."""
+        self.send("finish")
         result = self.expect("RESULT ")
         self.process.stdin.close()
         self.process.wait()
