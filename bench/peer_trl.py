@@ -25,8 +25,9 @@ turns, one iteration at a time: pair k runs TRL's iteration k then ours for even
 for odd k, so a slow phase of a shared machine (minutes long) hits both sides of a pair alike. With
 two TRL runs, ours plays each in turn (a fresh process of ours per TRL run; three at once would not
 fit in 24 GiB). The first `--warmup` pairs of each are left out. Printed: each pair's seconds and
-TRL / ours, our phases' seconds and each side's page faults in that iteration; per side s/iteration, episodes/s, response tokens/s (tokens up to and including EOS),
-prompt and response tokens per iteration, peak RSS; ours / TRL (best) over all measured
+TRL / ours, our phases' seconds and each side's page faults in that iteration; per side
+s/iteration, episodes/s, response tokens/s (tokens up to and including EOS), prompt and response
+tokens per iteration, peak RSS; ours / TRL (best) over all measured
 iterations; the median and range of the pairs' ratios; which bf16 support the CPU has; and our MFU
 over the measured iterations per phase (generate, experience, train; bench/flops.py's model FLOPs)
 against the matmul peak of our precision measured right after.

@@ -6,16 +6,16 @@ mode each is its own pass over a [tokens, hidden] matrix, and their backward as 
 CPU in bf16 a reward-model training step spent more time in such passes than in its matrix
 products (bench/README.md), and on a GPU each pass is a kernel launch: a reward-model step on an
 H200 was bound by the host launching ~5,600 kernels, not by the GPU. Here each chain is one
-function compiled by torch's inductor into one loop forward and one backward (C++ on a CPU, Triton
-on a GPU) (`torch.compile`, shapes dynamic: one compilation serves every
-batch), with the same formulas as the eager modules (LlamaRMSNorm's two roundings to bf16 included); the
-results differ from eager only in the order of fp32 sums and where a fused chain skips an
-intermediate rounding to bf16. bench/fused.py compares the two.
+function compiled by torch's inductor into one loop forward and one backward: C++ on a CPU, Triton
+on a GPU (`torch.compile`, shapes dynamic: one compilation serves every batch). The formulas are
+the eager modules' (LlamaRMSNorm's two roundings to bf16 included); the results differ from eager
+only in the order of fp32 sums and where a fused chain skips an intermediate rounding to bf16.
+bench/fused.py compares the two.
 
 Where they apply: a CPU or CUDA device, bf16, gradients on (the training forwards); elsewhere the
 eager form. If compiling fails (no C++ compiler on the machine, no Triton), a warning says so once
-and the eager form runs from then on. Compiled kernels are cached on disk by torch (the first process compiles for a few
-seconds, later ones load them).
+and the eager form runs from then on. Compiled kernels are cached on disk by torch (the first
+process compiles for a few seconds, later ones load them).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def decoder_applies(model) -> bool:
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """A LlamaRMSNorm module's output; in fp32 (no autocast) from torch's one-kernel form, the same
-    numbers in one kernel forward and backward instead of the module's five operations; in bf16 on
+    numbers in one kernel forward and backward instead of the module's five operations; in bf16
     under autograd (CPU or GPU) from a compiled kernel of the module's formula (`fused`)."""
     if partitioned(norm.weight):
         return norm(x)
@@ -145,10 +145,10 @@ NOT_CUDNN = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
 def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """`attention` with the keys and values repeated for every query head, by SDPA's kernels other
     than cuDNN's. On a GPU, grouped-query heads with a mask leave SDPA only cuDNN's kernel (the
-    memory-efficient one takes no `enable_gqa`), and cuDNN builds a plan for every new shape: with
-    dynamic token batches, whose shapes are new at most steps of an epoch, that cost ~150 ms a step
-    on an H200 (bench/README.md). With the heads expanded, as transformers' own SDPA path does, the
-    memory-efficient kernel takes the mask and has no per-shape cost."""
+    memory-efficient one takes no `enable_gqa`), and cuDNN builds a plan for every new shape, which
+    dynamic token batches have at most steps of an epoch (bench/README.md measures the cost on an
+    H200). With the heads expanded, as transformers' own SDPA path does, the memory-efficient kernel
+    takes the mask and has no per-shape cost."""
     group = q.shape[1] // k.shape[1]
     with sdpa_kernel(NOT_CUDNN):
         return F.scaled_dot_product_attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
