@@ -271,3 +271,20 @@ def test_the_explicit_and_expanded_attention_equal_sdpa_over_grouped_query_heads
     torch.testing.assert_close(ours, sdpa)
     for theirs, mine in zip(torch.autograd.grad(sdpa, (q, k, v), grad), torch.autograd.grad(ours, (q, k, v), grad)):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_the_explicit_attention_keeps_no_copy_of_its_scores_for_the_backward():
+    """The mask goes onto the scores in place; through a view of them autograd records CopySlices,
+    whose backward copies and zero-fills the whole [batch, heads, queries, keys] tensor."""
+    from stages.models.llama import explicit_attention
+
+    q = torch.randn(2, 4, 6, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(2, 1, 6, 6).masked_fill_(~torch.ones(6, 6, dtype=torch.bool).tril(), -torch.inf)
+    seen, nodes = set(), [explicit_attention(q, k, v, mask, 0.3).grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+    assert not [node.name() for node in seen if "CopySlices" in node.name() or "AsStrided" in node.name()]

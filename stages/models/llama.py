@@ -163,10 +163,11 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     # Query heads g·j … g·j + g − 1 share key/value head j (SDPA's enable_gqa): stacked as the rows
     # of one product with that head's keys and values, which are then never copied per query head.
     q = (q * scale).reshape(batch, kv_heads, group * queries, d)
-    # The mask is added in place: the product's backward reads q and k, not its output.
-    scores = (q @ k.transpose(-1, -2)).view(batch, kv_heads, group, queries, keys).add_(mask.unsqueeze(2))
-    probabilities = scores.softmax(dim=-1).view(batch, kv_heads, group * queries, keys)
-    return (probabilities @ v).view(batch, heads, queries, d)
+    # The mask is added in place (the product's backward reads q and k, not its output), to the
+    # product's own tensor with the mask repeated for the group's rows: added through a view, autograd
+    # would copy the whole scores tensor for the backward (CopySlices).
+    scores = (q @ k.transpose(-1, -2)).add_(mask.repeat(1, 1, group, 1))
+    return (scores.softmax(dim=-1) @ v).view(batch, heads, queries, d)
 
 
 class Decoder:
