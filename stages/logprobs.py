@@ -55,7 +55,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         logprobs, log_normaliser = (logits.new_empty(rows, dtype=torch.float32) for _ in range(2))
         entropy = logits.new_empty(rows if with_entropy else 0, dtype=torch.float32)
         for part in _chunks(rows, vocab, logits.device):
-            z = logits[part].float() / temperature
+            z = _scaled(logits[part], temperature)
             lse = torch.logsumexp(z, dim=-1)
             log_p = z.sub_(lse[:, None])
             logprobs[part] = log_p.gather(1, tokens[part, None]).squeeze(1)
@@ -73,13 +73,20 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         temperature = ctx.temperature
         grad = torch.empty_like(logits)
         for part in _chunks(*logits.shape, logits.device):
-            log_p = logits[part].float() / temperature - log_normaliser[part, None]
+            log_p = _scaled(logits[part], temperature).sub_(log_normaliser[part, None])
             p = log_p.exp()
-            g = torch.zeros_like(p)
             if grad_logprobs is not None:  # ∂ log p_a / ∂z = 1[a] − p
-                g.sub_(p * grad_logprobs[part, None])
+                g = p * -grad_logprobs[part, None]
                 g.scatter_add_(1, tokens[part, None], grad_logprobs[part, None])
+            else:
+                g = torch.zeros_like(p)
             if grad_entropy is not None:  # ∂H / ∂z_i = −p_i (log p_i + H)
                 g.sub_(p * (log_p + entropy[part, None]) * grad_entropy[part, None])
-            grad[part] = g / temperature
+            grad[part] = g if temperature == 1.0 else g.div_(temperature)
         return grad, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / T as a fresh fp32 tensor (the callers work on it in place); at T = 1 no division pass."""
+    z = logits.to(torch.float32, copy=True)
+    return z if temperature == 1.0 else z.div_(temperature)

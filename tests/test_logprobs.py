@@ -71,3 +71,14 @@ def test_token_logprobs_alone_and_its_gradient_equal_the_whole_matrix_formula(mo
     torch.testing.assert_close(ours.double(), expected.double(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(torch.autograd.grad((ours.double() * weights).sum(), logits)[0],
                                torch.autograd.grad((expected.double() * weights).sum(), logits)[0], atol=2e-6, rtol=1e-5)
+
+
+def test_fp32_logits_at_temperature_one_are_left_as_they_were():
+    """The chunks are worked on in place: from a copy, even where fp32 logits need no cast and
+    T = 1 no division."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 4, 11, requires_grad=True)
+    before = logits.detach().clone()
+    logprobs, entropy = logprobs_and_entropy(logits, torch.randint(0, 11, (3, 4)), 1.0)
+    torch.autograd.grad((logprobs + entropy).sum(), logits)
+    assert torch.equal(logits.detach(), before)
