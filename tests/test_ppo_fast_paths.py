@@ -288,3 +288,22 @@ def test_the_explicit_attention_keeps_no_copy_of_its_scores_for_the_backward():
             seen.add(node)
             nodes.extend(next_node for next_node, _ in node.next_functions)
     assert not [node.name() for node in seen if "CopySlices" in node.name() or "AsStrided" in node.name()]
+
+
+def test_the_explicit_attentions_mask_made_once_serves_every_layer_and_the_shorter_last_one():
+    """A forward's layers share one expanded mask; its last layer, with the queries of
+    from_position on only, gets its own."""
+    from stages.models.llama import explicit_attention
+
+    torch.manual_seed(1)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+    allowed[1, :, :, 4:] = torch.eye(6, dtype=torch.bool)[:, 4:]  # two right pads in row 1, attending to themselves
+    mask = torch.zeros(2, 1, 6, 6, dtype=torch.float64).masked_fill_(~allowed, -torch.inf)
+    cache: dict = {}
+    for queries in (6, 6, 2):
+        q = torch.randn(2, 4, queries, 8, dtype=torch.float64)
+        k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(2))
+        rows = mask[..., -queries:, :]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(explicit_attention(q, k, v, rows, 0.3, cache), sdpa)
+    assert len(cache) == 2

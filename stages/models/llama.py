@@ -91,6 +91,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
         return full.view(batch, width, -1, head_dim).transpose(1, 2)
 
     layers = base_model.layers[: base_model.config.num_hidden_layers]
+    expanded_masks: dict = {}  # the explicit products' form of the mask, made once for all layers
     for number, layer in enumerate(layers, start=1):
         attn = layer.self_attn
         h = rms_norm(layer.input_layernorm, x)
@@ -104,7 +105,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
             query_index, queries = kept_index, length - from_position
         q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
         q = rotate(q, cos[..., -queries:, :], sin[..., -queries:, :])
-        out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling)
+        out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling, expanded_masks)
         # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1).index_select(0, query_index))
         x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
@@ -126,16 +127,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              expanded_masks: dict | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v over grouped-query heads: q [B, heads, Lq, d], k and v
     [B, kv_heads, L, d], mask [B, 1, Lq, L] additive. SDPA's fused kernel, except in bf16 on a CPU
     with gradients: there the explicit products, whose backward ran ×2 faster than SDPA's, which in
-    fp32 was the faster one (bench/attention.py measures both); and on a GPU, `expanded_attention`."""
+    fp32 was the faster one (bench/attention.py measures both); and on a GPU, `expanded_attention`.
+    `expanded_masks`: `explicit_attention`'s cache of its form of the mask, shared by a forward's layers."""
     if q.device.type == "cuda":
         return expanded_attention(q, k, v, mask, scale)
     if not (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and q.requires_grad):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return explicit_attention(q, k, v, mask, scale)
+    return explicit_attention(q, k, v, mask, scale, expanded_masks)
 
 
 # SDPA's kernels other than cuDNN's, the memory-efficient one first where it applies.
@@ -155,19 +158,26 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
                                               attn_mask=mask, scale=scale)
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """`attention` as matrix products and a softmax."""
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       expanded_masks: dict | None = None) -> torch.Tensor:
+    """`attention` as matrix products and a softmax. Query heads g·j … g·j + g − 1 share key/value
+    head j (SDPA's enable_gqa): they are stacked as the rows of one product with that head's keys and
+    values, which are then never copied per query head. The product adds the mask and the scale
+    itself (baddbmm: mask + scale · q kᵀ), one pass over the scores fewer than adding the mask after
+    it; for that the mask is repeated to the product's [B · kv_heads, g · Lq, L] layout, once per
+    forward where `expanded_masks` (a dict kept across its layers) is given."""
     batch, heads, queries, d = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    # Query heads g·j … g·j + g − 1 share key/value head j (SDPA's enable_gqa): stacked as the rows
-    # of one product with that head's keys and values, which are then never copied per query head.
-    q = (q * scale).reshape(batch, kv_heads, group * queries, d)
-    # The mask is added in place (the product's backward reads q and k, not its output), to the
-    # product's own tensor with the mask repeated for the group's rows: added through a view, autograd
-    # would copy the whole scores tensor for the backward (CopySlices).
-    scores = (q @ k.transpose(-1, -2)).add_(mask.repeat(1, 1, group, 1))
-    return (scores.softmax(dim=-1) @ v).view(batch, heads, queries, d)
+    key = (queries, keys, kv_heads, group)
+    expanded = None if expanded_masks is None else expanded_masks.get(key)
+    if expanded is None:
+        expanded = mask.repeat(1, kv_heads, group, 1).view(batch * kv_heads, group * queries, keys)
+        if expanded_masks is not None:
+            expanded_masks[key] = expanded
+    scores = torch.baddbmm(expanded, q.reshape(batch * kv_heads, group * queries, d),
+                           k.reshape(batch * kv_heads, keys, d).transpose(1, 2), alpha=scale)
+    return (scores.softmax(dim=-1) @ v.reshape(batch * kv_heads, keys, d)).view(batch, heads, queries, d)
 
 
 class Decoder:
