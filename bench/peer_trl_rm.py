@@ -303,7 +303,9 @@ def main() -> None:
             label = "warm-up" if k == 0 else f"turn {k}"
             print(f"  {label:<8} " + ", ".join(f"{side} {rate[side]:7.1f} tokens/s ({turn[side]['steps']} steps, "
                                                 f"{turn[side]['wall_s']:5.1f} s)" for side in sides)
-                  + "; ours / " + ", ".join(f"{side} ×{rate['ours'] / rate[side]:.2f}" for side in trl_runs), flush=True)
+                  + "; ours / " + ", ".join(f"{side} ×{rate['ours'] / rate[side]:.2f}" for side in trl_runs)
+                  + "; page faults minor/major: " + ", ".join(f"{side} {turn[side]['page_faults']}/{turn[side]['major_faults']}"
+                                                              for side in sides), flush=True)
 
         reports = take_turns(workers, 1 + turns, show)
         peaks = {side: worker.peak_rss_mib() for side, worker in workers.items()}
