@@ -303,8 +303,9 @@ def trained_model(engine):
 def total_norm(tensors: list) -> torch.Tensor:
     """‖(t₁, t₂, …)‖₂ over all elements, in fp32: the norm of every row's norm. torch's norm of a
     whole tensor (`get_total_norm`, `clip_grad_norm_`) sums its squares into one fp32 accumulator per
-    thread: on a 4.7M-element gradient it was off by 1.2e-4 of the norm (by rows: 1.4e-7), and on
-    SmolLM2's 28M-element embedding by 1.6e-3, at twice the time (tests/test_precision.py)."""
+    thread, whose rounding error grows with the tensor (SmolLM2's 28M-element embedding gradient:
+    1.6e-3 of the norm, bench/README.md; tests/test_precision.py bounds ours); a row's sum is short,
+    and the rows' norms are few."""
     rows = [torch.linalg.vector_norm(t.reshape(t.shape[0] if t.dim() > 1 else 1, -1), dim=1, dtype=torch.float32)
             for t in tensors]
     return torch.linalg.vector_norm(torch.cat(rows)) if rows else torch.zeros(())
