@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, finish, load_average, ready, report_turn, synchronize, take_turns, trl_python,
+from turns import (Worker, finish, load_average, page_faults, ready, report_turn, synchronize, take_turns, trl_python,
                    wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
@@ -301,8 +301,7 @@ def main() -> None:
                 print(f"  iteration {k + 1}{' (warm-up)' if k < args.warmup else ''}: {trl_side} {trl['seconds']:6.2f} s "
                       f"({trl['response_tokens']} response tokens), ours {ours['seconds']:6.2f} s "
                       f"({ours['response_tokens']}), ×{trl['seconds'] / ours['seconds']:.2f}; ours: {phases} s; "
-                      f"page faults minor/major: {trl_side} {trl['page_faults']}/{trl['major_faults']}, "
-                      f"ours {ours['page_faults']}/{ours['major_faults']}", flush=True)
+                      + page_faults({trl_side: trl, "ours": ours}), flush=True)
 
             iterations.update(take_turns(workers, total, show))
             peaks.update({side: worker.peak_rss_mib() for side, worker in workers.items()})

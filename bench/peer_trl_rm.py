@@ -57,8 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, chunk_bounds, finish, load_average, ready, report_turn, spread, synchronize, take_turns,
-                   trl_python, wait_for_the_end, wait_for_turn)
+from turns import (Worker, chunk_bounds, finish, load_average, page_faults, ready, report_turn, spread, synchronize,
+                   take_turns, trl_python, wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed
@@ -304,8 +304,7 @@ def main() -> None:
             print(f"  {label:<8} " + ", ".join(f"{side} {rate[side]:7.1f} tokens/s ({turn[side]['steps']} steps, "
                                                 f"{turn[side]['wall_s']:5.1f} s)" for side in sides)
                   + "; ours / " + ", ".join(f"{side} ×{rate['ours'] / rate[side]:.2f}" for side in trl_runs)
-                  + "; page faults minor/major: " + ", ".join(f"{side} {turn[side]['page_faults']}/{turn[side]['major_faults']}"
-                                                              for side in sides), flush=True)
+                  + "; " + page_faults(turn), flush=True)
 
         reports = take_turns(workers, 1 + turns, show)
         peaks = {side: worker.peak_rss_mib() for side, worker in workers.items()}

@@ -53,6 +53,12 @@ def report_turn(**fields) -> None:
     print("TURN " + json.dumps({**fields, "page_faults": minor - minor_0, "major_faults": major - major_0}), flush=True)
 
 
+def page_faults(reports: dict[str, dict]) -> str:
+    """The page faults of a turn's reports (`report_turn`), by side, for a bench's turn line."""
+    return "page faults minor/major: " + ", ".join(f"{side} {report['page_faults']}/{report['major_faults']}"
+                                                   for side, report in reports.items())
+
+
 _ended = False
 
 
