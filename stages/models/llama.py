@@ -169,13 +169,11 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     batch, heads, queries, d = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    cache = {} if expanded_masks is None else expanded_masks
     key = (queries, keys, kv_heads, group)
-    expanded = None if expanded_masks is None else expanded_masks.get(key)
-    if expanded is None:
-        expanded = mask.repeat(1, kv_heads, group, 1).view(batch * kv_heads, group * queries, keys)
-        if expanded_masks is not None:
-            expanded_masks[key] = expanded
-    scores = torch.baddbmm(expanded, q.reshape(batch * kv_heads, group * queries, d),
+    if key not in cache:
+        cache[key] = mask.repeat(1, kv_heads, group, 1).view(batch * kv_heads, group * queries, keys)
+    scores = torch.baddbmm(cache[key], q.reshape(batch * kv_heads, group * queries, d),
                            k.reshape(batch * kv_heads, keys, d).transpose(1, 2), alpha=scale)
     return (scores.softmax(dim=-1) @ v.reshape(batch * kv_heads, keys, d)).view(batch, heads, queries, d)
 
