@@ -110,6 +110,25 @@ def test_the_optimiser_state_is_made_with_the_engine_and_steps_as_a_fresh_optimi
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_batched_master_copies_step_as_the_per_tensor_ones(tiny, accum):
+    """MasterWeights.batched (a GPU's multi-tensor copies, here forced on a CPU) trains the same
+    weights, bit for bit, as the per-tensor loop; with two micro-batches a step, the second
+    backward's gradients add into the masters' through the loop."""
+    batches = [_batch(tiny, slice(i * 4, i * 4 + 4)) for i in range(4)]
+    engines = {}
+    for batched in (False, True):
+        engine = _engine(tiny, "bf16", accum)
+        engine.master.batched = batched
+        _train(engine, batches)
+        engines[batched] = engine
+    plain, batched = engines[False].master, engines[True].master
+    assert not plain.batched and batched.batched
+    for a, b in zip(plain.masters + plain.copies, batched.masters + batched.copies, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(plain.masters[0], _engine(tiny, "bf16").master.masters[0])  # it trained
+
+
 def test_bf16_engine_computes_in_bf16_and_steps_fp32_masters(tiny):
     engine = _engine(tiny, "bf16")
     model = engine.module
@@ -246,13 +265,15 @@ def test_bf16_ppo_raises_a_rule_reward_as_fp32_does(tiny):
     assert abs(bf16_last - fp32_last) < (fp32_last - fp32_first) / 3
 
 
-def test_the_clipped_gradient_norm_of_a_large_gradient_is_the_fp64_norm_to_fp32_precision():
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_the_clipped_gradient_norm_of_a_large_gradient_is_the_fp64_norm_to_fp32_precision(device):
     """The norm that clips (and that the stages log as grad_norm), of one 4.7M-element gradient
-    (SmolLM2's embedding has 28M): within 1e-5 of the fp64 norm. torch's get_total_norm, summing
-    the whole tensor's squares into one fp32 accumulator per thread, was off by ~1e-4."""
+    (SmolLM2's embedding has 28M): within 1e-5 of the fp64 norm. On a CPU torch's get_total_norm,
+    summing the whole tensor's squares into one fp32 accumulator per thread, was off by ~1e-4; a
+    GPU takes torch's multi-tensor norm (training.total_norm)."""
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.zeros(8192, 576))
-    weight.grad = torch.randn(8192, 576) * 1e-3
+    weight = torch.nn.Parameter(torch.zeros(8192, 576, device=device))
+    weight.grad = torch.randn(8192, 576, device=device) * 1e-3
     exact = weight.grad.double().norm().item()
     norm = clip_with_norm([weight], max_norm=1.0)
     assert abs(norm - exact) <= 1e-5 * exact
