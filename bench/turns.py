@@ -48,8 +48,13 @@ def wait_for_turn() -> float:
 
 def report_turn(**fields) -> None:
     """The turn's fields, with the page faults this process took since its turn began (minor: a page
-    mapped anew and zeroed; major: one read back from a file)."""
+    mapped anew and zeroed; major: one read back from a file). On a GPU the side first hands the
+    memory its allocator holds unused back to the driver: the sides share one GPU, and each side's
+    cache of its own turn's peak (TRL's fp32 side at a ~1B model: 27 GiB) left the next side too little
+    (stop 35: out of memory on an H100 with three sides). Every side pays it alike, after its timed turn."""
     (minor, major), (minor_0, major_0) = _faults(), _faults_at_turn_start
+    if (cuda := _cuda_in_use()) is not None:
+        cuda.empty_cache()
     print("TURN " + json.dumps({**fields, "page_faults": minor - minor_0, "major_faults": major - major_0}), flush=True)
 
 
