@@ -69,9 +69,10 @@ class PlainEngine:
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.master = MasterWeights.of(model) if precision == "bf16" else None
+        self.steps_from_bf16 = steps_from_bf16_gradients(self.master, optimizer, grad_accum_steps, max_grad_norm)
         # Under bf16 the masters' gradient buffers are kept from step to step (MasterWeights.accumulate):
-        # made here with the optimiser's state, before any batch.
-        allocate_optimizer_state(optimizer, keep_gradients=self.master is not None)
+        # made here with the optimiser's state, before any batch. A step from the bf16 gradients needs none.
+        allocate_optimizer_state(optimizer, keep_gradients=self.master is not None and not self.steps_from_bf16)
         self.micro_steps = 0
         self.last_grad_norm = 0.0
         self.skipped_steps = 0
@@ -85,7 +86,7 @@ class PlainEngine:
 
     def backward(self, loss) -> None:
         (loss / self.grad_accum_steps).backward()
-        if self.master is not None:
+        if self.master is not None and not self.steps_from_bf16:
             self.master.accumulate()
 
     def trainable_parameters(self) -> list:
@@ -95,7 +96,9 @@ class PlainEngine:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def step(self) -> None:
-        if self.is_gradient_accumulation_boundary():
+        if self.is_gradient_accumulation_boundary() and self.steps_from_bf16:
+            self.step_from_bf16_gradients()
+        elif self.is_gradient_accumulation_boundary():
             if math.isinf(self.max_grad_norm):  # PPO clips actor and critic jointly (or nothing clips): no own norm
                 norm, self.joint_grad_norm = self.joint_grad_norm, None
             else:
@@ -116,6 +119,22 @@ class PlainEngine:
             if self.master is None or skipped:  # a skipped step's gradients are dropped, as DeepSpeed drops an overflow's
                 self.optimizer.zero_grad(set_to_none=True)
         self.micro_steps += 1
+
+    def step_from_bf16_gradients(self) -> None:
+        """The step `steps_from_bf16_gradients` applies to: the clip's norm from the bf16 gradients,
+        then per tensor one fused AdamW update of the master and its moments from its bf16 gradient
+        times the clip's coefficient, writing the model's bf16 copy as it goes."""
+        pairs = [(master, copy) for master, copy in zip(self.master.masters, self.master.copies) if copy.grad is not None]
+        norm = bf16_total_norm([copy.grad for _, copy in pairs])
+        self.last_grad_norm = norm
+        if math.isfinite(norm):
+            adamw_from_bf16_gradients(self.optimizer, pairs, min(1.0, self.max_grad_norm / (norm + 1e-6)))
+            self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+            print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
+        for _, copy in pairs:
+            copy.grad = None
 
     def get_global_grad_norm(self) -> float:
         return self.last_grad_norm
@@ -274,6 +293,91 @@ def allocate_optimizer_state(optimizer, keep_gradients: bool) -> None:
     if not keep_gradients:
         for p in params:
             p.grad = None
+
+
+def steps_from_bf16(device: str, precision: str, grad_accum_steps: int, max_grad_norm: float) -> bool:
+    """Whether a plain (not DeepSpeed) engine with these settings steps from the bf16 gradients
+    themselves (`adamw_from_bf16_gradients`) instead of its usual passes: copy each gradient into
+    the master's fp32 buffer, take the clip's norm, scale, step torch's fused AdamW, copy each master
+    back to bf16 — five passes over the gradients and weights where two do (the clip's norm over
+    bf16 gradients, then one fused update per tensor): a CPU's optimiser step on SmolLM2 ~230 →
+    ~140 ms (bench/README.md, stop 35), and no fp32 gradients kept (4 bytes a parameter). Where:
+    a CPU (a GPU has torch's multi-tensor kernels, `MasterWeights.batched`), bf16, one backward a
+    step (accumulated micro-batches add in fp32) and a clip of the engine's own (a joint clip over
+    engines, `clip_grad_norm`, reads the masters' gradients). `stages.plan` counts memory by it."""
+    return device == "cpu" and precision == "bf16" and grad_accum_steps == 1 and math.isfinite(max_grad_norm)
+
+
+def steps_from_bf16_gradients(master: MasterWeights | None, optimizer, grad_accum_steps: int,
+                              max_grad_norm: float) -> bool:
+    """`steps_from_bf16` for an engine's masters and optimiser: torch's AdamW with one parameter
+    group, no amsgrad, no maximize and a float lr."""
+    if master is None or not master.masters:
+        return False
+    if not steps_from_bf16(master.masters[0].device.type, "bf16", grad_accum_steps, max_grad_norm):
+        return False
+    if type(optimizer) is not torch.optim.AdamW or len(optimizer.param_groups) != 1:
+        return False
+    group = optimizer.param_groups[0]
+    return not group["amsgrad"] and not group["maximize"] and not torch.is_tensor(group["lr"])
+
+
+def adamw_update(p, g, m, v, p16, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt,
+                 eps, coef) -> None:
+    """torch's AdamW step (decoupled weight decay; the formulas of its fused kernel) of one fp32
+    master `p` with moments `m`, `v`, from gradient `g` (bf16) times the clip's coefficient `coef`,
+    in place; `p16` (the model's bf16 copy) ← p. decay = 1 − lr·λ, step_size = lr / (1 − β₁ᵗ),
+    bias_correction2_sqrt = √(1 − β₂ᵗ): worked out in float64 by the caller, as torch does (made
+    from fp32 β's here, m and v came out 3× less exact than torch's). The scalars are 0-dim tensors,
+    so one compiled kernel serves every value."""
+    g = g.float() * coef
+    p.mul_(decay)
+    m.lerp_(g, one_minus_beta1)
+    v.mul_(beta2).addcmul_(g, g, value=one_minus_beta2)
+    p.sub_(step_size * m / (v.sqrt() / bias_correction2_sqrt + eps))
+    p16.copy_(p)
+
+
+def squares_by_row(g: torch.Tensor) -> torch.Tensor:
+    """Σ g² of each row of a 2-D tensor, in fp32."""
+    return g.float().pow(2).sum(-1)
+
+
+def bf16_total_norm(gradients: list) -> float:
+    """`total_norm` of bf16 gradients, by rows too, without an fp32 copy of them: each row's sum of
+    squares in fp32 in one compiled loop (torch's eager norm of bf16 rows in fp32 took twice as long)."""
+    if not gradients:
+        return 0.0
+    from stages.models import fused
+
+    sums = [fused.compiled(squares_by_row, g.reshape(g.shape[0] if g.dim() > 1 else 1, -1)) for g in gradients]
+    return float(torch.cat(sums).sum().sqrt())
+
+
+@torch.no_grad()
+def adamw_from_bf16_gradients(optimizer, pairs: list, coef: float) -> None:
+    """One step of `optimizer` (torch's AdamW, its state made: allocate_optimizer_state) over the
+    (fp32 master, bf16 copy) pairs from the copies' gradients times `coef`, each tensor in one
+    compiled loop (`adamw_update`); the state stays torch's (exp_avg, exp_avg_sq, step), so a
+    checkpoint resumes either way."""
+    from stages.models import fused
+
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    scalars: dict[float, list[torch.Tensor]] = {}  # by step count: every tensor's is the same here
+
+    for master, copy in pairs:
+        state = optimizer.state[master]
+        state["step"] += 1
+        t = float(state["step"])
+        if t not in scalars:
+            lr = group["lr"]
+            scalars[t] = [torch.tensor(x, dtype=torch.float32) for x in (
+                1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** t),
+                math.sqrt(1 - beta2 ** t), group["eps"], coef)]
+        # Plain tensors, not Parameters: torch.compile fixes a Parameter's shape (a kernel per shape).
+        fused.compiled(adamw_update, master.detach(), copy.grad, state["exp_avg"], state["exp_avg_sq"], copy.detach(),
+                       *scalars[t])
 
 
 def adamw(model, **options):

@@ -35,7 +35,7 @@ def test_the_compiled_kernels_equal_the_eager_modules_forward_and_backward(devic
             # the weight's gradient sums 37 rows: its fp32 sum is rounded once, in a different order
             torch.testing.assert_close(a.float(), b.float(), atol=4 * BF16_STEP, rtol=2 * BF16_STEP, msg=name)
     assert not fused._failed, fused._failed
-    assert set(fused._compiled) == {fused.rms_norm, fused.swiglu}  # compiled, not the eager fallback
+    assert {fused.rms_norm, fused.swiglu} <= set(fused._compiled)  # compiled, not the eager fallback
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -69,6 +69,24 @@ def test_model_states_by_zero_stage_match_hand_computed_bytes():
     assert (frozen.weights, frozen.total) == (2000, 2000)
 
 
+def test_a_cpu_bf16_stage_that_steps_from_bf16_gradients_plans_no_fp32_gradients():
+    """The reward stage (one backward a step, its own clip) on a CPU in bf16 steps from the bf16
+    gradients (training.steps_from_bf16_gradients): 2Ψ of gradients, not 6Ψ; SFT accumulating two
+    micro-batches in fp32 keeps 6Ψ; without a clip (inf) the reward model keeps 6Ψ too."""
+    def grads(overrides, stage):
+        cfg = load_config("tiny", ["model.precision=bf16", *overrides])
+        predicted = plan.plan(cfg, device="cpu", memory_gib=24)
+        role = next(sp for sp in predicted.stages if sp.stage == stage).roles[0]
+        return role.grads, role.params
+
+    rm_grads, rm_params = grads([], "reward")
+    assert rm_grads == 2 * rm_params
+    sft_grads, sft_params = grads(["sft.grad_accum_steps=1"], "sft")
+    assert sft_grads == 2 * sft_params
+    assert grads(["sft.grad_accum_steps=2"], "sft")[0] == 6 * sft_params
+    assert grads(["reward.max_grad_norm=inf"], "reward")[0] == 6 * rm_params
+
+
 def test_model_states_less_the_fp32_gradient_partition_are_the_zero_papers_figure_1():
     """Rajbhandari et al. 2020 (ZeRO), Figure 1: a 7.5B-parameter model on 64 GPUs with mixed-precision
     Adam holds 120 GB per GPU without ZeRO, 31.4 GB with P_os (ZeRO-1), 16.6 GB with P_os+g (ZeRO-2)

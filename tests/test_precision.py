@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,8 @@ from stages import precision
 from stages.config import ConfigError, load_config
 from stages.losses import shifted_nll
 from stages.sources import load_model
-from stages.training import MasterWeights, PlainEngine, adamw, clip_with_norm, collate, linear_warmup, trained_model
+from stages.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
+                             clip_with_norm, collate, linear_warmup, trained_model)
 from ppo_helpers import make_trainer
 
 
@@ -45,12 +47,14 @@ def test_frozen_models_load_bf16_weights_with_fp32_rope(tiny):
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
-def _engine(tiny, mode: str, accum: int = 1) -> PlainEngine:
+def _engine(tiny, mode: str, accum: int = 1, max_grad_norm: float = 1.0) -> PlainEngine:
+    """An engine on the tiny model; in bf16 with one batch a step and its own clip it steps from the
+    bf16 gradients (training.steps_from_bf16_gradients), else through the masters' fp32 gradients."""
     folder, _, _ = tiny
     torch.manual_seed(0)
     model = load_model(folder, load_config("tiny").model)
     optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    return PlainEngine(model, optimizer, linear_warmup(optimizer, 0), accum, 1.0, mode)
+    return PlainEngine(model, optimizer, linear_warmup(optimizer, 0), accum, max_grad_norm, mode)
 
 
 def _batch(tiny, rows: slice):
@@ -74,17 +78,25 @@ def _train(engine: PlainEngine, batches) -> list[float]:
 def test_the_optimiser_state_is_made_with_the_engine_and_steps_as_a_fresh_optimisers(tiny, mode):
     """The engine makes AdamW's state before the first batch (allocate_optimizer_state), and its
     training gives the same weights, bit for bit, as a fresh optimiser that makes its state at the
-    first step: the zero-lr step moved nothing and the step counts start again from 0."""
+    first step: the zero-lr step moved nothing and the step counts start again from 0. In bf16 the
+    engine clips jointly (as PPO's do), so it steps through torch's AdamW as the reference does
+    (its own clip steps from the bf16 gradients: test_adamw_from_bf16_gradients_is_torchs_adamw)."""
     folder, _, _ = tiny
     torch.manual_seed(0)
     model = load_model(folder, load_config("tiny").model)
     optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)  # AdamW's decay must not move at lr 0
-    engine = PlainEngine(model, optimizer, linear_warmup(optimizer, 0), 1, 1.0, mode)
+    engine = PlainEngine(model, optimizer, linear_warmup(optimizer, 0), 1, 1.0 if mode == "fp32" else math.inf, mode)
     masters = engine.trainable_parameters()
     assert all(set(engine.optimizer.state[m]) >= {"step", "exp_avg", "exp_avg_sq"} for m in masters)
     assert all((m.grad is not None) == (mode == "bf16") for m in masters)  # bf16 keeps its gradient buffers
     batches = [_batch(tiny, slice(i * 4, i * 4 + 4)) for i in range(3)]
-    _train(engine, batches)
+    for batch in batches:
+        logits = engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll, tokens = shifted_nll(logits, batch["labels"])
+        engine.backward(nll / tokens)
+        if mode == "bf16":
+            clip_grad_norm([engine], 1.0)
+        engine.step()
 
     torch.manual_seed(0)
     model = load_model(folder, load_config("tiny").model)
@@ -118,7 +130,7 @@ def test_batched_master_copies_step_as_the_per_tensor_ones(tiny, accum):
     batches = [_batch(tiny, slice(i * 4, i * 4 + 4)) for i in range(4)]
     engines = {}
     for batched in (False, True):
-        engine = _engine(tiny, "bf16", accum)
+        engine = _engine(tiny, "bf16", accum, max_grad_norm=math.inf)  # inf: through the masters' gradients
         engine.master.batched = batched
         _train(engine, batches)
         engines[batched] = engine
@@ -127,6 +139,61 @@ def test_batched_master_copies_step_as_the_per_tensor_ones(tiny, accum):
     for a, b in zip(plain.masters + plain.copies, batched.masters + batched.copies, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(plain.masters[0], _engine(tiny, "bf16").master.masters[0])  # it trained
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3])
+def test_adamw_from_bf16_gradients_is_torchs_adamw(monkeypatch, compiled, max_grad_norm):
+    """A bf16 engine with its own clip and one backward a step steps from the bf16 gradients
+    (training.steps_from_bf16_gradients): the clip's norm, the masters, AdamW's moments and step
+    counts after four steps (lr warming up, weight decay, clipping every step or never) are torch's
+    fused AdamW's after torch's clip, on fp32 copies of the same gradients, to fp32 rounding: the two
+    compute the same formulas in another order, a few ulps a step. `compiled` False: the eager
+    form (fused kernels off, or compiling failed)."""
+    from stages.models import fused
+
+    monkeypatch.setattr(fused, "enabled", compiled)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 7))
+    reference = copy.deepcopy(model)
+    optimizer = adamw(model, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    engine = PlainEngine(model, optimizer, linear_warmup(optimizer, 3), 1, max_grad_norm, "bf16")
+    assert engine.steps_from_bf16 and all(m.grad is None for m in engine.trainable_parameters())
+
+    lazy = MasterWeights.of(reference)
+    theirs = torch.optim.AdamW(lazy.masters, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    schedule = linear_warmup(theirs, 3)
+    inputs = torch.randn(4, 16, 48, dtype=torch.bfloat16)
+    for x in inputs:
+        engine.backward(model(x).float().pow(2).mean())
+        gradients = [c.grad.clone() for c in engine.master.copies]
+        engine.step()
+        for c, g in zip(lazy.copies, gradients):  # the same bf16 gradients on the reference's side
+            c.grad = g
+        lazy.accumulate()
+        norm = clip_with_norm(lazy.masters, max_grad_norm)
+        theirs.step()
+        schedule.step()
+        lazy.copy_to_model()
+        lazy.fresh = True
+        assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+        assert all(c.grad is None for c in engine.master.copies)
+        for ours, reference_master in zip(engine.master.masters, lazy.masters, strict=True):
+            torch.testing.assert_close(ours, reference_master, rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(optimizer.state[ours][key], theirs.state[reference_master][key],
+                                           rtol=1e-6, atol=1e-9)
+            assert float(optimizer.state[ours]["step"]) == float(theirs.state[reference_master]["step"])
+        for c, m in zip(engine.master.copies, engine.master.masters):
+            assert torch.equal(c, m.detach().to(torch.bfloat16))  # the model's weights: the masters rounded
+    assert float(optimizer.state[engine.master.masters[0]]["step"]) == len(inputs)
+
+
+def test_the_norm_of_bf16_gradients_is_the_fp64_norm():
+    torch.manual_seed(0)
+    gradients = [torch.randn(4096, 576).bfloat16() * 1e-3, torch.randn(576).bfloat16(), torch.randn(7, 3, 5).bfloat16()]
+    exact = torch.cat([g.double().flatten() for g in gradients]).norm().item()
+    assert abs(bf16_total_norm(gradients) - exact) <= 1e-6 * exact
 
 
 def test_bf16_engine_computes_in_bf16_and_steps_fp32_masters(tiny):
@@ -185,11 +252,14 @@ def test_gradients_accumulate_in_fp32(tiny):
         torch.testing.assert_close(master.grad, expected_grad)
 
 
-def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_steps(tiny):
+@pytest.mark.parametrize("max_grad_norm", [math.inf, 1.0])
+def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_steps(tiny, max_grad_norm):
     """The bf16 engine keeps its fp32 gradient buffers from step to step: a parameter that gets no
     gradient in a step must not be stepped with the previous step's (AdamW skips a parameter
-    whose gradient is None, as after the fp32 engine's zero_grad)."""
-    engine = _engine(tiny, "bf16")
+    whose gradient is None, as after the fp32 engine's zero_grad). The same holds where the engine
+    steps from the bf16 gradients (its own clip: max_grad_norm 1)."""
+    engine = _engine(tiny, "bf16", max_grad_norm=max_grad_norm)
+    assert engine.steps_from_bf16 == (max_grad_norm == 1.0)
     _train(engine, [_batch(tiny, slice(0, 8))])
     embedding = engine.module.get_input_embeddings().weight
     frozen_out = [copy for copy in engine.master.copies if copy is not embedding]
@@ -200,13 +270,14 @@ def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_s
     _train(engine, [_batch(tiny, slice(8, 16))])
     for copy in frozen_out:
         assert torch.equal(masters[id(copy)], before[id(copy)]), "stepped with a stale gradient"
-    assert masters[id(embedding)].grad is not None
+    if not engine.steps_from_bf16:  # a step from the bf16 gradients keeps no fp32 buffers
+        assert masters[id(embedding)].grad is not None
 
 
 def test_the_restored_fp32_model_holds_no_gradient_buffers(tiny):
     """The bf16 engine keeps its fp32 gradient buffers between steps; the model it hands back for
     saving (restore_fp32) must not carry them on (4 bytes per parameter for as long as it lives)."""
-    engine = _engine(tiny, "bf16")
+    engine = _engine(tiny, "bf16", max_grad_norm=math.inf)
     _train(engine, [_batch(tiny, slice(0, 8))])
     assert any(m.grad is not None for m in engine.trainable_parameters())
     model = engine.restore_fp32()

@@ -53,6 +53,14 @@ def fused(function: Callable, *args):
     """`function(*args)`, compiled where `applies` to the first argument, else eager."""
     if not applies(args[0]):
         return function(*args)
+    return compiled(function, *args)
+
+
+def compiled(function: Callable, *args):
+    """`function(*args)` compiled (shapes dynamic), or eager where fused kernels are off or compiling
+    failed."""
+    if not enabled or _failed:
+        return function(*args)
     if function not in _compiled:
         _compiled[function] = torch.compile(function, dynamic=True, fullgraph=True)
     try:
