@@ -239,8 +239,8 @@ def model_states(role: Role, precision: str, sharding: Sharding, largest_module:
     frozen model). Trained, our plain engine (stages/training.py `PlainEngine`):
       fp32: weights 4Ψ, gradients 4Ψ, AdamW 8Ψ (the paper's 16Ψ);
       bf16: bf16 compute weights 2Ψ + fp32 masters 4Ψ; gradients 2Ψ bf16 (each backward's) + 4Ψ fp32
-            (`MasterWeights.accumulate`); AdamW 8Ψ — 20Ψ. On a CPU with one backward a step and the
-            engine's own clip, no fp32 gradients (`plan_stage`: 16Ψ).
+            (`MasterWeights.accumulate`); AdamW 8Ψ — 20Ψ. On a CPU with one backward a step no fp32
+            gradients (`training.steps_from_bf16`, `plan_stage`): 16Ψ.
     Trained, DeepSpeed ZeRO-z over N ranks (bf16 mode: 16-bit weights and gradients, fp32
     masters, fp32 gradient partitions and AdamW states; fp32 mode: the "16-bit" copies are fp32):
       weights 2Ψ (÷N at ZeRO-3, plus the largest module gathered, 2 bytes of weights + 2 of
@@ -480,11 +480,12 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
     def states(name: str, params: int, trained: bool) -> Role:
         return model_states(Role(name, trained, params), resolved, sharding, largest)
 
-    def without_fp32_gradients(role: Role, grad_accum_steps: int, max_grad_norm: float) -> None:
+    def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
         from stages.training import steps_from_bf16
 
-        if sharding.zero is None and steps_from_bf16(device, resolved, grad_accum_steps, max_grad_norm):
+        if role is not None and role.trained and sharding.zero is None and steps_from_bf16(device, resolved,
+                                                                                            grad_accum_steps):
             role.grads = 2 * role.params
 
     skipped = registry.get(stage).skipped(cfg)
@@ -493,7 +494,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         s = cfg.sft
         tokens = s.micro_batch_size * s.max_seq_len
         actor = states("actor", psi, True)
-        without_fp32_gradients(actor, s.grad_accum_steps, s.max_grad_norm)
+        without_fp32_gradients(actor, s.grad_accum_steps)
         actor.activations = activation_bytes(arch, tokens, element, s.gradient_checkpointing)
         actor.logits = tokens * logit_bytes_per_token(arch, element)
         roles = [actor]
@@ -505,7 +506,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         r = cfg.reward
         tokens = reward_batch_tokens(r)
         rm = states("reward model", rm_psi, True)
-        without_fp32_gradients(rm, 1, r.max_grad_norm)
+        without_fp32_gradients(rm, 1)
         # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
         rm.activations = activation_bytes(arch, tokens, element, False) + (
             attention_score_bytes(arch, tokens, r.max_seq_len, element) // r.max_seq_len if explicit_attention else 0)
@@ -529,6 +530,8 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
             roles.append(states("reference", psi, False))
         roles.append(states("reward model", rm_psi, False))
         critic = states("critic", rm_psi, True) if needs_critic(p) else None
+        without_fp32_gradients(actor, 1)  # PPO's engines: one backward a step (stages/ppo/trainer.py)
+        without_fp32_gradients(critic, 1)
         if critic is not None:
             roles.append(critic)
         # Rollout: the actor's KV cache while it samples, then no-grad forwards of the reference,

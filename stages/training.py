@@ -57,7 +57,10 @@ class PlainEngine:
 
     precision="bf16" (`stages.precision`): the model computes with bf16 weights, while `optimizer`
     keeps stepping the fp32 parameters it was built over, which become the master weights (the
-    model's are their bf16 copies); each backward's gradients are added into the masters' in fp32.
+    model's are their bf16 copies); each backward's gradients are added into the masters' in fp32 —
+    except where the engine steps from the bf16 gradients themselves (`steps_from_bf16`: a CPU, one
+    backward a step; `from_bf16_gradients=False` turns it off), updating each master and its AdamW
+    moments in one compiled loop.
 
     A step whose gradient norm is not finite (a finite loss can overflow in the backward) updates
     nothing, as DeepSpeed's optimisers skip an overflow: the gradients are dropped, the optimiser and
@@ -65,11 +68,12 @@ class PlainEngine:
     or the joint clip's (`clip_grad_norm` hands it over); an engine that clips nothing checks none."""
 
     def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", from_bf16_gradients: bool = True):
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.master = MasterWeights.of(model) if precision == "bf16" else None
-        self.steps_from_bf16 = steps_from_bf16_gradients(self.master, optimizer, grad_accum_steps, max_grad_norm)
+        # False: always through the masters' fp32 gradients (the path torch's AdamW steps bit for bit).
+        self.steps_from_bf16 = from_bf16_gradients and steps_from_bf16_gradients(self.master, optimizer, grad_accum_steps)
         # Under bf16 the masters' gradient buffers are kept from step to step (MasterWeights.accumulate):
         # made here with the optimiser's state, before any batch. A step from the bf16 gradients needs none.
         allocate_optimizer_state(optimizer, keep_gradients=self.master is not None and not self.steps_from_bf16)
@@ -77,6 +81,7 @@ class PlainEngine:
         self.last_grad_norm = 0.0
         self.skipped_steps = 0
         self.joint_grad_norm: float | None = None  # set by clip_grad_norm for the next step
+        self.joint_clip_coef = 1.0  # set by clip_grad_norm where the engine steps from its bf16 gradients
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -121,14 +126,20 @@ class PlainEngine:
         self.micro_steps += 1
 
     def step_from_bf16_gradients(self) -> None:
-        """The step `steps_from_bf16_gradients` applies to: the clip's norm from the bf16 gradients,
-        then per tensor one fused AdamW update of the master and its moments from its bf16 gradient
-        times the clip's coefficient, writing the model's bf16 copy as it goes."""
+        """The step `steps_from_bf16_gradients` applies to: the clip's norm from the bf16 gradients
+        (the engine's own clip; a joint clip's comes from `clip_grad_norm`), then per tensor one fused
+        AdamW update of the master and its moments from its bf16 gradient times the clip's
+        coefficient, writing the model's bf16 copy as it goes."""
         pairs = [(master, copy) for master, copy in zip(self.master.masters, self.master.copies) if copy.grad is not None]
-        norm = bf16_total_norm([copy.grad for _, copy in pairs])
-        self.last_grad_norm = norm
-        if math.isfinite(norm):
-            adamw_from_bf16_gradients(self.optimizer, pairs, min(1.0, self.max_grad_norm / (norm + 1e-6)))
+        if math.isinf(self.max_grad_norm):  # a joint clip (or none: norm None, coefficient 1)
+            norm, coef = self.joint_grad_norm, self.joint_clip_coef
+            self.joint_grad_norm, self.joint_clip_coef = None, 1.0
+        else:
+            norm = bf16_total_norm([copy.grad for _, copy in pairs])
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        self.last_grad_norm = math.nan if norm is None else norm
+        if norm is None or math.isfinite(norm):
+            adamw_from_bf16_gradients(self.optimizer, pairs, coef)
             self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
@@ -295,26 +306,24 @@ def allocate_optimizer_state(optimizer, keep_gradients: bool) -> None:
             p.grad = None
 
 
-def steps_from_bf16(device: str, precision: str, grad_accum_steps: int, max_grad_norm: float) -> bool:
+def steps_from_bf16(device: str, precision: str, grad_accum_steps: int) -> bool:
     """Whether a plain (not DeepSpeed) engine with these settings steps from the bf16 gradients
     themselves (`adamw_from_bf16_gradients`) instead of its usual passes: copy each gradient into
     the master's fp32 buffer, take the clip's norm, scale, step torch's fused AdamW, copy each master
     back to bf16 — five passes over the gradients and weights where two do (the clip's norm over
     bf16 gradients, then one fused update per tensor): a CPU's optimiser step on SmolLM2 ~230 →
     ~140 ms (bench/README.md, stop 35), and no fp32 gradients kept (4 bytes a parameter). Where:
-    a CPU (a GPU has torch's multi-tensor kernels, `MasterWeights.batched`), bf16, one backward a
-    step (accumulated micro-batches add in fp32) and a clip of the engine's own (a joint clip over
-    engines, `clip_grad_norm`, reads the masters' gradients). `stages.plan` counts memory by it."""
-    return device == "cpu" and precision == "bf16" and grad_accum_steps == 1 and math.isfinite(max_grad_norm)
+    a CPU (a GPU has torch's multi-tensor kernels, `MasterWeights.batched`), bf16, and one backward a
+    step (accumulated micro-batches add in fp32). `stages.plan` counts memory by it."""
+    return device == "cpu" and precision == "bf16" and grad_accum_steps == 1
 
 
-def steps_from_bf16_gradients(master: MasterWeights | None, optimizer, grad_accum_steps: int,
-                              max_grad_norm: float) -> bool:
+def steps_from_bf16_gradients(master: MasterWeights | None, optimizer, grad_accum_steps: int) -> bool:
     """`steps_from_bf16` for an engine's masters and optimiser: torch's AdamW with one parameter
     group, no amsgrad, no maximize and a float lr."""
     if master is None or not master.masters:
         return False
-    if not steps_from_bf16(master.masters[0].device.type, "bf16", grad_accum_steps, max_grad_norm):
+    if not steps_from_bf16(master.masters[0].device.type, "bf16", grad_accum_steps):
         return False
     if type(optimizer) is not torch.optim.AdamW or len(optimizer.param_groups) != 1:
         return False
@@ -449,8 +458,20 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     g ← g · min(1, max_norm / ‖g‖), ‖g‖ over all their parameters. Returns ‖g‖ before clipping.
     The engines must not clip on their own (make_engine with max_grad_norm=inf)."""
     if all(isinstance(engine, PlainEngine) for engine in engines):
-        norm = clip_with_norm([p for engine in engines for p in engine.trainable_parameters() if p.grad is not None],
-                              max_norm)
+        from_bf16 = [engine for engine in engines if engine.steps_from_bf16]
+        fp32 = [p for engine in engines if not engine.steps_from_bf16
+                for p in engine.trainable_parameters() if p.grad is not None]
+        if not from_bf16:
+            norm = clip_with_norm(fp32, max_norm)
+        else:  # those engines scale their bf16 gradients in their update (PlainEngine.step_from_bf16_gradients)
+            bf16 = [copy.grad for engine in from_bf16 for copy in engine.master.copies if copy.grad is not None]
+            fp32_norm = float(total_norm([p.grad for p in fp32])) if fp32 else 0.0
+            norm = math.hypot(bf16_total_norm(bf16), fp32_norm)
+            coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if not coef >= 1.0 and fp32:
+                torch.nn.utils.clip_grads_with_norm_(fp32, max_norm, torch.tensor(norm))
+            for engine in from_bf16:
+                engine.joint_clip_coef = min(1.0, coef)
         for engine in engines:  # a non-finite norm: their next step skips (PlainEngine.step)
             engine.joint_grad_norm = norm
         return norm
