@@ -95,15 +95,18 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     for number, layer in enumerate(layers, start=1):
         attn = layer.self_attn
         h = rms_norm(layer.input_layernorm, x)
-        k, v = (padded(proj(h), attn.head_dim, index, width) for proj in (attn.k_proj, attn.v_proj))
+        query_index, queries = index, width
+        if number == len(layers) and from_position > 0:  # queries of the kept rows only
+            k, v = (padded(proj(h), attn.head_dim, index, width) for proj in (attn.k_proj, attn.v_proj))
+            x, h = x.index_select(0, kept), h.index_select(0, kept)
+            query_index, queries = kept_index, length - from_position
+            q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
+        else:
+            q, k, v = padded(packed_qkv(attn, h), attn.head_dim, index, width).split(
+                [attn.q_proj.out_features // attn.head_dim, *[attn.k_proj.out_features // attn.head_dim] * 2], dim=1)
         k = rotate(k, cos, sin)
         if keys_values is not None:
             keys_values.append((k, v))
-        query_index, queries = index, width
-        if number == len(layers) and from_position > 0:
-            x, h = x.index_select(0, kept), h.index_select(0, kept)
-            query_index, queries = kept_index, length - from_position
-        q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
         q = rotate(q, cos[..., -queries:, :], sin[..., -queries:, :])
         out = attention(q, k, v, mask[..., -queries:, :].to(q.dtype), attn.scaling, expanded_masks)
         # index_select, not [index]: the latter's backward is an index_put with accumulation, far slower
@@ -112,6 +115,16 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     x = rms_norm(base_model.norm, x)
     queries = length - from_position
     return x.new_zeros(batch * queries, x.shape[-1]).index_copy_(0, kept_index, x).view(batch, queries, -1)
+
+
+def packed_qkv(attn, h: torch.Tensor) -> torch.Tensor:
+    """[N, (heads + 2 · kv_heads) · d]: the queries, keys and values of h as one product with the
+    three weights stacked (copied each forward: ~1 MB a layer at SmolLM2's size) — one matrix product
+    forward and one for h's gradient instead of three each, and the backward's three h gradients
+    not added up."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    bias = None if attn.q_proj.bias is None else torch.cat([proj.bias for proj in projections])
+    return F.linear(h, torch.cat([proj.weight for proj in projections]), bias)
 
 
 def signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
