@@ -96,10 +96,14 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
         attn = layer.self_attn
         h = rms_norm(layer.input_layernorm, x)
         query_index, queries = index, width
-        if number == len(layers) and from_position > 0:  # queries of the kept rows only
+        fewer_queries = number == len(layers) and from_position > 0  # the kept rows' queries only
+        # The separate products there, and under ZeRO-3, whose weights are whole only inside their
+        # module's own forward (packed_qkv reads them outside).
+        if fewer_queries or partitioned(attn.q_proj.weight):
             k, v = (padded(proj(h), attn.head_dim, index, width) for proj in (attn.k_proj, attn.v_proj))
-            x, h = x.index_select(0, kept), h.index_select(0, kept)
-            query_index, queries = kept_index, length - from_position
+            if fewer_queries:
+                x, h = x.index_select(0, kept), h.index_select(0, kept)
+                query_index, queries = kept_index, length - from_position
             q = padded(attn.q_proj(h), attn.head_dim, query_index, queries)
         else:
             q, k, v = padded(packed_qkv(attn, h), attn.head_dim, index, width).split(
