@@ -112,8 +112,7 @@ class PlainEngine:
             self.last_grad_norm = math.nan if norm is None else norm
             skipped = norm is not None and not math.isfinite(norm)
             if skipped:
-                self.skipped_steps += 1
-                print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
+                self.skip_step(norm)
             else:
                 self.optimizer.step()
                 self.lr_scheduler.step()
@@ -136,16 +135,19 @@ class PlainEngine:
             self.joint_grad_norm, self.joint_clip_coef = None, 1.0
         else:
             norm = bf16_total_norm([copy.grad for _, copy in pairs])
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            coef = min(1.0, clip_coefficient(self.max_grad_norm, norm))
         self.last_grad_norm = math.nan if norm is None else norm
         if norm is None or math.isfinite(norm):
             adamw_from_bf16_gradients(self.optimizer, pairs, coef)
             self.lr_scheduler.step()
         else:
-            self.skipped_steps += 1
-            print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
+            self.skip_step(norm)
         for _, copy in pairs:
             copy.grad = None
+
+    def skip_step(self, norm: float) -> None:
+        self.skipped_steps += 1
+        print(f"gradient norm {norm}: optimiser step skipped ({self.skipped_steps} in all)", file=sys.stderr)
 
     def get_global_grad_norm(self) -> float:
         return self.last_grad_norm
@@ -347,6 +349,11 @@ def adamw_update(p, g, m, v, p16, decay, one_minus_beta1, beta2, one_minus_beta2
     p16.copy_(p)
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as a 2-D tensor of its first dimension's rows (a 1-D tensor: one row), for norms by rows."""
+    return t.reshape(t.shape[0] if t.dim() > 1 else 1, -1)
+
+
 def squares_by_row(g: torch.Tensor) -> torch.Tensor:
     """Σ g² of each row of a 2-D tensor, in fp32."""
     return g.float().pow(2).sum(-1)
@@ -359,7 +366,7 @@ def bf16_total_norm(gradients: list) -> float:
         return 0.0
     from stages.models import fused
 
-    sums = [fused.compiled(squares_by_row, g.reshape(g.shape[0] if g.dim() > 1 else 1, -1)) for g in gradients]
+    sums = [fused.compiled(squares_by_row, as_rows(g)) for g in gradients]
     return float(torch.cat(sums).sum().sqrt())
 
 
@@ -373,7 +380,7 @@ def adamw_from_bf16_gradients(optimizer, pairs: list, coef: float) -> None:
 
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
-    scalars: dict[float, list[torch.Tensor]] = {}  # by step count: every tensor's is the same here
+    scalars: dict[float, list[torch.Tensor]] = {}  # by step count: one, unless a tensor missed a step's gradient
 
     for master, copy in pairs:
         state = optimizer.state[master]
@@ -438,9 +445,13 @@ def total_norm(tensors: list) -> torch.Tensor:
     tensor's norm comes from torch's multi-tensor norm: a few kernel launches, not two per tensor."""
     if tensors and tensors[0].is_cuda:
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, dtype=torch.float32)))
-    rows = [torch.linalg.vector_norm(t.reshape(t.shape[0] if t.dim() > 1 else 1, -1), dim=1, dtype=torch.float32)
-            for t in tensors]
-    return torch.linalg.vector_norm(torch.cat(rows)) if rows else torch.zeros(())
+    norms = [torch.linalg.vector_norm(as_rows(t), dim=1, dtype=torch.float32) for t in tensors]
+    return torch.linalg.vector_norm(torch.cat(norms)) if norms else torch.zeros(())
+
+
+def clip_coefficient(max_norm: float, norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, before it is clamped to 1 (NaN for a NaN norm)."""
+    return max_norm / (norm + 1e-6)
 
 
 def clip_with_norm(params: list, max_norm: float) -> float:
@@ -448,7 +459,7 @@ def clip_with_norm(params: list, max_norm: float) -> float:
     when nothing is clipped (that multiply rewrites every gradient of the step for nothing). Returns
     ‖g‖ before clipping."""
     norm = total_norm([p.grad for p in params])
-    if not max_norm / (float(norm) + 1e-6) >= 1.0:  # torch's coefficient, clamped to 1; NaN clips as in torch
+    if not clip_coefficient(max_norm, float(norm)) >= 1.0:  # NaN clips as in torch
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
 
@@ -467,7 +478,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
             bf16 = [copy.grad for engine in from_bf16 for copy in engine.master.copies if copy.grad is not None]
             fp32_norm = float(total_norm([p.grad for p in fp32])) if fp32 else 0.0
             norm = math.hypot(bf16_total_norm(bf16), fp32_norm)
-            coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            coef = clip_coefficient(max_norm, norm)
             if not coef >= 1.0 and fp32:
                 torch.nn.utils.clip_grads_with_norm_(fp32, max_norm, torch.tensor(norm))
             for engine in from_bf16:
@@ -482,7 +493,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
 
     groups = [[p for p in engine.module.parameters() if p.requires_grad] for engine in engines]
     norm = total_norm([safe_get_full_grad(p) for params in groups for p in params])
-    coef = max_norm / (float(norm) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+    coef = clip_coefficient(max_norm, float(norm))
     if not coef >= 1.0:  # a NaN norm clips too, as in torch; DeepSpeed's ZeRO and bf16 optimisers then skip the step
         for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
             safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
