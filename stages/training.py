@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.models.embedding import add_gradients_in_place
+
 if TYPE_CHECKING:
     from stages.launch import Dist
 
@@ -70,6 +72,9 @@ class PlainEngine:
     def __init__(self, model, optimizer, scheduler, grad_accum_steps: int, max_grad_norm: float,
                  precision: str = "fp32", from_bf16_gradients: bool = True):
         self.module, self.optimizer, self.lr_scheduler = model, optimizer, scheduler
+        # The engine reads .grad after each backward: the fast path may add the input embedding's
+        # gradient there in place (stages.models.embedding).
+        add_gradients_in_place(model)
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
         self.master = MasterWeights.of(model) if precision == "bf16" else None
         # False: always through the masters' fp32 gradients (the path torch's AdamW steps bit for bit).

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages.models import fused
+from stages.models.embedding import embed
 from stages.models.plain import partitioned, position_ids
 from stages.precision import cpu_vendor
 
@@ -69,7 +70,7 @@ def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch
     batch, length = input_ids.shape
     width = length
     index = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat [B, L] positions of real tokens
-    x = base_model.embed_tokens(input_ids.reshape(-1)[index])  # [N, hidden]
+    x = embed(base_model.embed_tokens, input_ids.reshape(-1)[index])  # [N, hidden]
     cos, sin = signed(*base_model.rotary_emb(x, position_ids=positions))
     cos, sin = cos[:, None], sin[:, None]  # [B, 1, width, head_dim]: one rotation for all heads
     # Causal over real keys; a pad query attends to itself only, so no softmax row is all masked
