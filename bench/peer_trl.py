@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, finish, load_average, page_faults, ready, report_turn, synchronize, take_turns, trl_python,
+from turns import (ALLOCATOR_HELP, Worker, side_environment, finish, load_average, page_faults, ready, report_turn, synchronize, take_turns, trl_python,
                    wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
@@ -239,6 +239,7 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--response-length", type=int, default=48)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--trl-allocator", choices=["system", "tcmalloc"], default="system", help=ALLOCATOR_HELP)
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where both sides run (default cpu)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="ours: model.precision; bf16 runs TRL in fp32 and in bf16 and takes its faster run")
@@ -291,8 +292,8 @@ def main() -> None:
                 kind = "trl" if side == trl_side else "ours"
                 interpreter = python if kind == "trl" else sys.executable
                 workers[side] = Worker(side, [interpreter, __file__, "--worker", kind, "--spec", path],
-                                       Path(tmp) / f"{side.replace(' ', '-')}.log")
-                workers[side].ready()
+                                       Path(tmp) / f"{side.replace(' ', '-')}.log", side_environment(kind, args.trl_allocator))
+                print(f"{side}: malloc {workers[side].ready()['allocator']}", flush=True)
             # Turn k runs TRL then ours for even k, ours then TRL for odd k: drift of the machine's
             # speed (minutes long on a shared VM) hits both sides of a pair alike.
             def show(k: int, pair: dict) -> None:

@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (Worker, chunk_bounds, finish, load_average, page_faults, ready, report_turn, spread, synchronize,
+from turns import (ALLOCATOR_HELP, Worker, side_environment, chunk_bounds, finish, load_average, page_faults, ready, report_turn, spread, synchronize,
                    take_turns, trl_python, wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
@@ -250,6 +250,7 @@ def main() -> None:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL with gradient checkpointing (RewardConfig's default); off unless set")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--trl-allocator", choices=["system", "tcmalloc"], default="system", help=ALLOCATOR_HELP)
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where every side runs (default cpu)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config overrides (the reward section's settings reach every side)")
@@ -288,8 +289,10 @@ def main() -> None:
             path.write_text(json.dumps(side_spec))
             kind = "ours" if side == "ours" else "trl"
             workers[side] = Worker(side, [python if kind == "trl" else sys.executable, __file__, "--worker", kind, path],
-                                   Path(tmp) / f"{side.replace(' ', '-')}.log")
-            steps[side] = workers[side].ready()["steps"]
+                                   Path(tmp) / f"{side.replace(' ', '-')}.log", side_environment(kind, args.trl_allocator))
+            built = workers[side].ready()
+            steps[side] = built["steps"]
+            print(f"{side}: malloc {built['allocator']}", flush=True)
         turns = min(args.turns, *(n - args.warmup_steps for n in steps.values()))
         if turns < 1:
             sys.exit(f"no steps left after {args.warmup_steps} warm-up step(s): {steps}")

@@ -24,7 +24,16 @@ from pathlib import Path
 
 # -- inside a side's process -------------------------------------------------------------------
 def ready(**fields) -> None:
-    print("READY " + json.dumps(fields), flush=True)
+    print("READY " + json.dumps({**fields, "allocator": _allocator()}), flush=True)
+
+
+def _allocator() -> str:
+    """The malloc this process runs on: `tcmalloc` where the parent preloaded it (as `rlhf` does for
+    its own processes, stages/allocator.py), else the system's."""
+    try:
+        return "tcmalloc" if "libtcmalloc" in Path("/proc/self/maps").read_text() else "system"
+    except OSError:
+        return "system"
 
 
 _faults_at_turn_start = (0, 0)
@@ -105,14 +114,29 @@ def _cuda_in_use():
 
 
 # -- in the parent -----------------------------------------------------------------------------
+def side_environment(kind: str, trl_allocator: str) -> dict[str, str]:
+    """A side's process environment: ours as `rlhf` starts the processes that train
+    (stages/allocator.py: TCMalloc where the machine has it); TRL's as it runs out of the box, on
+    the system's malloc, or on TCMalloc too with `--trl-allocator tcmalloc`."""
+    from stages import allocator
+
+    if kind == "ours":
+        return allocator.environment(dict(os.environ))
+    return allocator.environment({**os.environ, allocator.VARIABLE: trl_allocator})
+
+
+ALLOCATOR_HELP = ("TRL's malloc: system (default: as TRL runs out of the box) or tcmalloc (as ours, "
+                  "stages/allocator.py; RLHF_ALLOCATOR=system runs ours on the system's)")
+
+
 class Worker:
     """One side's process: `ready()` once it is built, then one chunk per `turn()`."""
 
-    def __init__(self, side: str, command: list, log: Path):
+    def __init__(self, side: str, command: list, log: Path, env: dict[str, str] | None = None):
         self.side, self.log = side, log
         with open(log, "w") as stderr:
             self.process = subprocess.Popen([str(part) for part in command], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
+                                            stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
 
     def expect(self, prefix: str) -> dict:
         for line in self.process.stdout:

@@ -12,6 +12,7 @@ import sys
 import yaml
 
 from flows import services
+from stages import allocator
 
 
 def _env_defaults() -> None:
@@ -123,7 +124,7 @@ def _supervise(argv: list[str]) -> int:
     import subprocess
     import threading
 
-    env = {**os.environ, SUPERVISED: "1", "PYTHONUNBUFFERED": "1"}
+    env = allocator.environment({**os.environ, SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
     child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=env, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     received: list[int] = []
@@ -431,10 +432,17 @@ def main(argv: list[str] | None = None) -> int:
 
         # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if argv is None and sys.argv[1:2] in (["run"], ["study"]):
-        if os.environ.get(SUPERVISED) != "1":
-            return _supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)
-        _die_with_the_supervisor()
+    try:
+        if argv is None and sys.argv[1:2] in (["run"], ["study"]):
+            if os.environ.get(SUPERVISED) != "1":
+                return _supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)
+            _die_with_the_supervisor()
+        if argv is None and sys.argv[1:2] == ["serve"] and (env := allocator.environment(dict(os.environ))) != os.environ:
+            # The flow runs it serves inherit this process's allocator, chosen at its start.
+            os.execve(sys.executable, [sys.executable, "-m", "flows.cli", *sys.argv[1:]], env)
+    except allocator.AllocatorError as err:
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 2
     _env_defaults()
     parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import shutil
 
+from stages import allocator
 from stages.config import REPO_ROOT, rlhf_home
 
 
@@ -117,7 +118,8 @@ def services(preset: str, host: str, prefect_port: int, mlflow_port: int, artifa
                 mlflow_url, f"{mlflow_url}/health", base),
     ]
     serve = Service("serve", [sys.executable, "-m", "flows.cli", "serve", "--preset", preset],
-                    f"{prefect_url}/deployments", f"{prefect_url}/api/deployments/name/rlhf/full", clients)
+                    f"{prefect_url}/deployments", f"{prefect_url}/api/deployments/name/rlhf/full",
+                    allocator.environment(clients))  # its flow runs train
     return [servers, [serve]]
 
 

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import registry
+from stages import allocator, registry
 from stages.interrupt import RanksRunning, StageInterrupted
 from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
 
@@ -130,7 +130,7 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
     tracker = pipeline.stage(stage, resumes=spec.resumes)
     device = stage_device(cfg, stage)
     tracker.log_params({"precision": precision.resolve(cfg.model.precision, device),
-                        "precision.hardware": precision.describe(device)})
+                        "precision.hardware": precision.describe(device), "allocator": allocator.in_use()})
     try:
         outputs = run_stage(stage, cfg, tracker, inputs)
     except StageInterrupted:
@@ -181,7 +181,7 @@ def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     spec_path.write_text(json.dumps(spec, indent=1))
     cmd, local_ranks = rank_command(stage, launch, spec_path)
     threads = launch.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = allocator.environment({**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
     log_path = tracker.workdir / "ranks.log"
     with open(log_path, "w") as log, RanksRunning(tracker.workdir) as ranks:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
