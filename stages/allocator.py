@@ -41,19 +41,19 @@ def find_tcmalloc(folders: tuple[str, ...] = FOLDERS) -> str | None:
     return None
 
 
-def environment(env: dict[str, str]) -> dict[str, str]:
-    """`env` for a child process that trains: with TCMalloc preloaded where RLHF_ALLOCATOR asks
-    for it (or `auto` finds it) and it is not preloaded already."""
+def environment(env: dict[str, str], folders: tuple[str, ...] = FOLDERS) -> dict[str, str]:
+    """`env` for a child process that trains: with TCMalloc (looked for in `folders`) preloaded
+    where RLHF_ALLOCATOR asks for it (or `auto` finds it) and it is not preloaded already."""
     choice = env.get(VARIABLE, "auto")
     if choice not in CHOICES:
         raise AllocatorError(f"{VARIABLE}={choice!r}: expected one of {', '.join(CHOICES)}")
     preloaded = env.get("LD_PRELOAD", "")
     if choice == "system" or "tcmalloc" in preloaded:
         return dict(env)
-    path = find_tcmalloc()
+    path = find_tcmalloc(folders)
     if path is None:
         if choice == "tcmalloc":
-            raise AllocatorError(f"{VARIABLE}=tcmalloc, but no {' or '.join(LIBRARIES)} in {', '.join(FOLDERS)}: "
+            raise AllocatorError(f"{VARIABLE}=tcmalloc, but no {' or '.join(LIBRARIES)} in {', '.join(folders)}: "
                                  "install it (Debian/Ubuntu: apt-get install libtcmalloc-minimal4) or set "
                                  f"{VARIABLE}=auto")
         return dict(env)

@@ -7,7 +7,7 @@ import sys
 
 import yaml
 
-from stages import tracking
+from stages import allocator, tracking
 from stages.config import load_config
 
 
@@ -53,6 +53,9 @@ def test_run_on_the_ephemeral_api():
     run_id = re.search(r"Pipeline run (\w+) finished", out.stdout).group(1)
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
     assert "mlflow ui --backend-store-uri sqlite:///" in out.stdout
+    # The pipeline ran in the command's child, on TCMalloc where the machine has it (stages/allocator.py).
+    (data,) = tracking.stage_runs(run_id)
+    assert data.data.params["allocator"] == ("tcmalloc" if allocator.find_tcmalloc() else "system")
 
     # --resume continues with the run's own config (tiny here, not the default demo preset) and
     # refuses a --preset or --set that would change it.
