@@ -6,6 +6,7 @@ This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from stages import interrupt, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
+from stages.ppo import checkpoint
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
 from stages.ppo.trainer import PPOTrainer, explained_variance
 from stages.reward.model import save_reward_model
@@ -64,16 +66,25 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                          train_actor=False, precision=precision.resolve(cfg.model.precision, dist.device))
     steps_per_rollout = -(-ppo.rollout_batch_size // ppo.minibatch_size)
     max_rollouts = -(-critic_cfg.max_steps // steps_per_rollout)
+    # PPO's checkpoints (the critic's engine, running moments, RNG, prompt cursor, rollout count),
+    # the newest one kept: a rerun in this folder (`rlhf run --resume`) continues from it.
+    checkpoints = dist.workdir / "checkpoints"
+    resume_from = checkpoint.latest(checkpoints)
+    if resume_from is not None:
+        checkpoint.load(trainer, resume_from)
     if dist.is_main:
         tracker.log_params({"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": max_rollouts,
                             "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
-                            "critic.switches": trainer.switches})
+                            "critic.switches": trainer.switches} if resume_from is None else {})
+        tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
+        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
 
-    progress = tqdm(total=max_rollouts, desc="critic", disable=not dist.is_main, dynamic_ncols=True)
+    progress = tqdm(total=max_rollouts, initial=trainer.iteration, desc="critic", disable=not dist.is_main,
+                    dynamic_ncols=True)
     started, converged = time.perf_counter(), False
     while trainer.iteration < max_rollouts and not converged:
-        interrupt.stop_point(dist, "critic", f"after rollout {trainer.iteration} of {max_rollouts} (critic "
-                                             f"pre-training starts over when resumed)")
+        interrupt.stop_point(dist, "critic", f"after rollout {trainer.iteration} of {max_rollouts}",
+                             save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints, keep=1)}")
         # An iteration skipped for NaN/Inf scores (stages/guards.py) trained nothing: no losses.
         metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **trainer.step()}
         keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
@@ -83,6 +94,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             tracker.log_metrics({f"critic/{k.split('/')[-1]}" if k.startswith(("loss", "val")) else k: metrics[k]
                                  for k in keep}, step=trainer.iteration * steps_per_rollout)
         converged = metrics["loss/value_avg"] < critic_cfg.value_loss_threshold
+        every = critic_cfg.checkpoint_every
+        if every and trainer.iteration % every == 0 and trainer.iteration < max_rollouts and not converged:
+            checkpoint.save(trainer, checkpoints, keep=1)
         progress.update(1)
         progress.set_postfix(value_loss=f"{metrics['loss/value_avg']:.4f}",
                              explained_variance=f"{metrics['val/explained_variance']:.3f}")
@@ -115,4 +129,6 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                      "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
         outputs = {**published, "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
     dist.barrier()
+    if dist.is_main:  # the published critic is the result; they served resuming only
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return outputs

@@ -118,7 +118,7 @@ for _stage in (
           contract={"reward": "reward_probe"}, resumes=True, headline=("eval/accuracy", "eval/margin")),
     Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
-          registers="critic", model_output="critic_model", contract={"critic": "critic_probe"},
+          registers="critic", model_output="critic_model", contract={"critic": "critic_probe"}, resumes=True,
           headline=("critic/final_value_loss", "critic/final_explained_variance"), skip_reason=_without_a_critic),
     # ppo reads contracts.policy: the live collapse guard checks its bands at each held-out evaluation.
     Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo", "contracts.policy", "statistics"),

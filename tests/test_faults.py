@@ -1,5 +1,5 @@
 """Faults injected into real runs of the tiny PPO stage (issue 8): a SIGKILL at a random moment and
-a resume (of the SFT and reward stages too), a tracking server that goes away (and comes back, or not), a disk that fills up while a
+a resume (of the SFT, reward and critic stages too), a tracking server that goes away (and comes back, or not), a disk that fills up while a
 checkpoint is written. Every run keeps its metric history whole: each step logged exactly once."""
 
 from __future__ import annotations
@@ -125,6 +125,39 @@ def test_a_killed_sft_or_reward_stage_resumes_with_every_step_logged_once(full_r
     whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=[stage], from_run=full_run), stage)
     client = tracking.client()
     for name in ("train/loss", "train/lr", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/accuracy"):
+        got, want = ({m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+                     for run in (attempt, whole))
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
+
+
+def test_a_killed_critic_stage_resumes_with_every_rollout_logged_once(full_run):
+    from flows.rlhf import rlhf
+
+    overrides = ["critic.checkpoint_every=1"]
+    tiny = load_config("tiny").critic
+    steps_per_rollout = -(-tiny.rollout_batch_size // tiny.minibatch_size)
+    earlier = stage_run(full_run, "critic")
+    rollouts = int(earlier.data.metrics["critic/rollouts"])
+    assert rollouts >= 3  # the tiny critic runs to its step cap: a kill after rollout 1 leaves some to resume
+    rollout_s = earlier.data.metrics["critic/train_seconds"] / rollouts
+    args = ["--preset", "tiny", "--stages", "critic", "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
+    checkpoints = killed_at_random(args, "critic", "iter-000001", rollout_s, seed=5)
+    killed = checkpoints.parents[1].name
+    resume_from = checkpoint.latest(checkpoints).name
+
+    assert rlhf(preset="tiny", overrides=overrides, stages=["critic"], resume=killed) == killed
+    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == "critic"]  # one run
+    assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
+    assert not checkpoints.exists()  # the critic is published: the checkpoints are gone
+    logged = [steps_per_rollout * k for k in range(1, rollouts + 1)]
+    for name in ("critic/value_avg", "critic/explained_variance", "objective/scores", "time/rollout"):
+        assert steps(attempt.info.run_id, name) == logged, name  # none lost, none twice
+
+    # Every rollout's numbers are an uninterrupted run's, and so is the held-out check of the critic.
+    whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=["critic"], from_run=full_run), "critic")
+    client = tracking.client()
+    for name in ("critic/value_avg", "critic/explained_variance", "objective/scores", "reward/running_mean",
+                 "critic/heldout_value_loss"):
         got, want = ({m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
                      for run in (attempt, whole))
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
