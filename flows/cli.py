@@ -613,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{runs.ending(run_id)[0]}\n\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
         return 0
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, allocator.AllocatorError) as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 2
 
