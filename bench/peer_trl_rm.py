@@ -57,8 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from turns import (ALLOCATOR_HELP, Worker, side_environment, chunk_bounds, finish, load_average, page_faults, ready, report_turn, spread, synchronize,
-                   take_turns, trl_python, wait_for_the_end, wait_for_turn)
+from turns import (ALLOCATOR_HELP, Worker, chunk_bounds, finish, load_average, page_faults, ready, report_turn,
+                   side_environment, spread, synchronize, take_turns, trl_python, wait_for_the_end, wait_for_turn)
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # the stages of this checkout, whatever the environment has installed

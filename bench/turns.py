@@ -24,16 +24,11 @@ from pathlib import Path
 
 # -- inside a side's process -------------------------------------------------------------------
 def ready(**fields) -> None:
-    print("READY " + json.dumps({**fields, "allocator": _allocator()}), flush=True)
+    """Built: `fields` for the parent, with the malloc this process runs on (the benches put this
+    checkout on sys.path, on TRL's side too; stages/allocator.py imports nothing else of it)."""
+    from stages import allocator
 
-
-def _allocator() -> str:
-    """The malloc this process runs on: `tcmalloc` where the parent preloaded it (as `rlhf` does for
-    its own processes, stages/allocator.py), else the system's."""
-    try:
-        return "tcmalloc" if "libtcmalloc" in Path("/proc/self/maps").read_text() else "system"
-    except OSError:
-        return "system"
+    print("READY " + json.dumps({**fields, "allocator": allocator.in_use()}), flush=True)
 
 
 _faults_at_turn_start = (0, 0)
