@@ -74,65 +74,64 @@ def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: f
     return checkpoints
 
 
-def test_a_ppo_run_killed_at_a_random_moment_resumes_with_every_step_logged_once(full_run):
+def killed_and_resumed(full_run: str, stage: str, overrides: list[str], first: str, step_s: float, seed: int):
+    """`stage` of the tiny pipeline rerun on `full_run`'s outputs, SIGKILLed at random after its
+    checkpoint `first` (`killed_at_random`), then resumed in-process (`rlhf(resume=…)`): the one
+    MLflow run of both attempts (checked FINISHED and tagged with the checkpoint it resumed from)
+    and the checkpoints folder."""
     from flows.rlhf import rlhf
 
-    iterations, overrides = 6, ["ppo.iterations=6", "ppo.checkpoint_every=2", "ppo.eval_every=3"]
-    iteration_s = stage_run(full_run, "ppo").data.metrics["ppo/train_seconds"] / load_config("tiny").ppo.iterations
-    args = ["--preset", "tiny", "--stages", "ppo", "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
-    checkpoints = killed_at_random(args, "ppo", "iter-000002", iteration_s, seed=8)
-    killed = checkpoints.parents[1].name
-    resume_from = checkpoint.latest(checkpoints).name
-
-    assert rlhf(preset="tiny", overrides=overrides, stages=["ppo"], resume=killed) == killed
-    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == "ppo"]  # one run
-    assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
-    assert_every_step_once(attempt.info.run_id, iterations)
-    assert steps(attempt.info.run_id, "eval/kl") == [0, 3, 6]  # 0: the SFT policy; 6: the final evaluation
-
-    # The steps logged before the kill, and those after the resume (computed again from the
-    # checkpoint, the steps up to the kill included), are an uninterrupted run's.
-    whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run), "ppo").info.run_id
-    client = tracking.client()
-    for name in ("objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "episode", "eval/score"):
-        got, want = ({m.step: m.value for m in client.get_metric_history(run_id, name)}
-                     for run_id in (attempt.info.run_id, whole))
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
-
-
-@pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_a_killed_sft_or_reward_stage_resumes_with_every_step_logged_once(full_run, stage):
-    from flows.rlhf import rlhf
-
-    overrides = [f"{stage}.checkpoint_every=2", "sft.epochs=1"]
-    earlier = stage_run(full_run, stage)
-    total = len(steps(earlier.info.run_id, "train/loss"))
-    step_s = earlier.data.metrics[f"{stage}/train_seconds"] / total
     args = ["--preset", "tiny", "--stages", stage, "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
-    checkpoints = killed_at_random(args, stage, "step-000002", step_s, seed=len(stage))
+    checkpoints = killed_at_random(args, stage, first, step_s, seed)
     killed = checkpoints.parents[1].name
     resume_from = checkpoint.latest(checkpoints).name
-    assert resume_from.startswith("step-")
+    assert resume_from.startswith(first.rsplit("-", 1)[0])
 
     assert rlhf(preset="tiny", overrides=overrides, stages=[stage], resume=killed) == killed
     (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == stage]  # one run
     assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
-    assert not checkpoints.exists()  # the model is published: the checkpoints are gone
-    for name in ("train/loss", "train/lr", "train/grad_norm", "train/epoch"):
-        assert steps(attempt.info.run_id, name) == list(range(1, total + 1)), name  # none lost, none twice
+    return attempt, checkpoints
 
-    # Every step's numbers are an uninterrupted run's, and so is the model it published.
+
+def assert_an_uninterrupted_runs_numbers(attempt, full_run: str, stage: str, overrides: list[str], names) -> None:
+    """The steps logged before the kill, and those after the resume (computed again from the
+    checkpoint, the steps up to the kill included), are those of the same stage run without a kill."""
+    from flows.rlhf import rlhf
+
     whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=[stage], from_run=full_run), stage)
     client = tracking.client()
-    for name in ("train/loss", "train/lr", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/accuracy"):
+    for name in names:
         got, want = ({m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
                      for run in (attempt, whole))
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
 
 
-def test_a_killed_critic_stage_resumes_with_every_rollout_logged_once(full_run):
-    from flows.rlhf import rlhf
+def test_a_ppo_run_killed_at_a_random_moment_resumes_with_every_step_logged_once(full_run):
+    iterations, overrides = 6, ["ppo.iterations=6", "ppo.checkpoint_every=2", "ppo.eval_every=3"]
+    iteration_s = stage_run(full_run, "ppo").data.metrics["ppo/train_seconds"] / load_config("tiny").ppo.iterations
+    attempt, _ = killed_and_resumed(full_run, "ppo", overrides, "iter-000002", iteration_s, seed=8)
+    assert_every_step_once(attempt.info.run_id, iterations)
+    assert steps(attempt.info.run_id, "eval/kl") == [0, 3, 6]  # 0: the SFT policy; 6: the final evaluation
+    assert_an_uninterrupted_runs_numbers(attempt, full_run, "ppo", overrides, (
+        "objective/scores", "objective/kl", "loss/value_avg", "loss/policy_avg", "episode", "eval/score"))
 
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_a_killed_sft_or_reward_stage_resumes_with_every_step_logged_once(full_run, stage):
+    overrides = [f"{stage}.checkpoint_every=2", "sft.epochs=1"]
+    earlier = stage_run(full_run, stage)
+    total = len(steps(earlier.info.run_id, "train/loss"))
+    step_s = earlier.data.metrics[f"{stage}/train_seconds"] / total
+    attempt, checkpoints = killed_and_resumed(full_run, stage, overrides, "step-000002", step_s, seed=len(stage))
+    assert not checkpoints.exists()  # the model is published: the checkpoints are gone
+    for name in ("train/loss", "train/lr", "train/grad_norm", "train/epoch"):
+        assert steps(attempt.info.run_id, name) == list(range(1, total + 1)), name  # none lost, none twice
+    # Every step's numbers are an uninterrupted run's, and so is the model it published.
+    assert_an_uninterrupted_runs_numbers(attempt, full_run, stage, overrides, (
+        "train/loss", "train/lr", "train/grad_norm", "eval/loss" if stage == "sft" else "eval/accuracy"))
+
+
+def test_a_killed_critic_stage_resumes_with_every_rollout_logged_once(full_run):
     overrides = ["critic.checkpoint_every=1"]
     tiny = load_config("tiny").critic
     steps_per_rollout = -(-tiny.rollout_batch_size // tiny.minibatch_size)
@@ -140,27 +139,15 @@ def test_a_killed_critic_stage_resumes_with_every_rollout_logged_once(full_run):
     rollouts = int(earlier.data.metrics["critic/rollouts"])
     assert rollouts >= 3  # the tiny critic runs to its step cap: a kill after rollout 1 leaves some to resume
     rollout_s = earlier.data.metrics["critic/train_seconds"] / rollouts
-    args = ["--preset", "tiny", "--stages", "critic", "--from-run", full_run, *(a for o in overrides for a in ("--set", o))]
-    checkpoints = killed_at_random(args, "critic", "iter-000001", rollout_s, seed=5)
-    killed = checkpoints.parents[1].name
-    resume_from = checkpoint.latest(checkpoints).name
-
-    assert rlhf(preset="tiny", overrides=overrides, stages=["critic"], resume=killed) == killed
-    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == "critic"]  # one run
-    assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
+    attempt, checkpoints = killed_and_resumed(full_run, "critic", overrides, "iter-000001", rollout_s, seed=5)
     assert not checkpoints.exists()  # the critic is published: the checkpoints are gone
     logged = [steps_per_rollout * k for k in range(1, rollouts + 1)]
     for name in ("critic/value_avg", "critic/explained_variance", "objective/scores", "time/rollout"):
         assert steps(attempt.info.run_id, name) == logged, name  # none lost, none twice
-
     # Every rollout's numbers are an uninterrupted run's, and so is the held-out check of the critic.
-    whole = stage_run(rlhf(preset="tiny", overrides=overrides, stages=["critic"], from_run=full_run), "critic")
-    client = tracking.client()
-    for name in ("critic/value_avg", "critic/explained_variance", "objective/scores", "reward/running_mean",
-                 "critic/heldout_value_loss"):
-        got, want = ({m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-                     for run in (attempt, whole))
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), name
+    assert_an_uninterrupted_runs_numbers(attempt, full_run, "critic", overrides, (
+        "critic/value_avg", "critic/explained_variance", "objective/scores", "reward/running_mean",
+        "critic/heldout_value_loss"))
 
 
 class MlflowServer:
