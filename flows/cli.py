@@ -336,6 +336,14 @@ def _precision_line(cfg) -> str:
             f"on this machine ({precision.describe(device)})")
 
 
+def _allocator_line() -> str:
+    """The malloc the processes that train would start on (a YAML comment; stages/allocator.py)."""
+    preload = allocator.environment(dict(os.environ)).get("LD_PRELOAD", "")
+    library = next((path for path in preload.split() if "tcmalloc" in path), None)
+    return (f"# training processes run on {'TCMalloc (' + library + ')' if library else 'the system malloc'} "
+            f"({allocator.VARIABLE}={os.environ.get(allocator.VARIABLE, 'auto')})")
+
+
 def _plan_overrides(args: argparse.Namespace) -> list[str]:
     """--world-size / --deepspeed: the same launch for every training stage, as --set lines."""
     from stages.plan import TRAINING_STAGES
@@ -537,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_explain(cfg, args.preset, args.overrides) if args.explain
                   else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             print(_precision_line(cfg))
+            print(_allocator_line())
             return 0
         if args.command == "serve":
             from prefect import serve as prefect_serve

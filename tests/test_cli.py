@@ -11,8 +11,8 @@ from stages import allocator, tracking
 from stages.config import load_config
 
 
-def _rlhf(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+def _rlhf(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}, **(env or {})}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -22,6 +22,11 @@ def test_config_prints_the_resolved_preset():
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["sft"]["lr"] == 1e-4 and cfg["preset"] == "tiny"
+    found = allocator.find_tcmalloc()
+    assert (f"# training processes run on TCMalloc ({found}) (RLHF_ALLOCATOR=auto)" if found
+            else "# training processes run on the system malloc (RLHF_ALLOCATOR=auto)") in out.stdout
+    out = _rlhf("config", "--preset", "tiny", env={allocator.VARIABLE: "system"})
+    assert "# training processes run on the system malloc (RLHF_ALLOCATOR=system)" in out.stdout
 
 
 def test_bad_override_is_a_one_line_error():
