@@ -214,10 +214,7 @@ class StepCheckpoints:
         if resumed:
             guard.load_state_dict(resumed["guard"])
         if self.dist.is_main:
-            if not resumed:
-                tracker.log_params(params)
-            tracker.set_tags({"rlhf.resumed_from": self.resumed_from.name if resumed else "none"})
-            tracker.skip_logged_steps()
+            tracker.start_attempt(params, self.resumed_from)
         return resumed
 
     def save(self, step: int, engines: dict, state: dict) -> Path:

@@ -73,11 +73,9 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     if resume_from is not None:
         checkpoint.load(trainer, resume_from)
     if dist.is_main:
-        tracker.log_params({"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": max_rollouts,
-                            "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
-                            "critic.switches": trainer.switches} if resume_from is None else {})
-        tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
-        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
+        tracker.start_attempt({"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": max_rollouts,
+                               "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
+                               "critic.switches": trainer.switches}, resume_from)
 
     progress = tqdm(total=max_rollouts, initial=trainer.iteration, desc="critic", disable=not dist.is_main,
                     dynamic_ncols=True)

@@ -250,6 +250,15 @@ class StageRun:
         """Deliver the queued calls, waiting while the server is unreachable (within the patience)."""
         self._send_pending(wait=True)
 
+    def start_attempt(self, params: dict, resumed_from) -> None:
+        """A training stage's start in this run (on the main rank): its params when it starts fresh
+        (a resumed attempt keeps the killed one's), the checkpoint folder it resumed from (a Path, or
+        None) as the tag `rlhf.resumed_from`, and no step logged twice (`skip_logged_steps`)."""
+        if resumed_from is None:
+            self.log_params(params)
+        self.set_tags({"rlhf.resumed_from": resumed_from.name if resumed_from else "none"})
+        self.skip_logged_steps()
+
     def skip_logged_steps(self) -> None:
         """From now on log no (metric, step) that the run already holds: a stage resumed from a
         checkpoint in the run of its killed attempt recomputes the steps between that checkpoint and

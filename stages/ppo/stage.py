@@ -209,16 +209,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     else:
         guard.start(trainer)
     if dist.is_main:
-        tracker.log_params({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
-                            "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
-                            "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
-                            "ppo.critic_model": (inputs.get("critic_model", "reward model") if critic is not None
-                                                 else "none"),
-                            "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
-                            "ppo.initial_moments": moments.state_dict()}
-                           if resume_from is None else {})
-        tracker.set_tags({"rlhf.resumed_from": resume_from.name if resume_from else "none"})
-        tracker.skip_logged_steps()  # the steps the killed attempt logged after its checkpoint
+        tracker.start_attempt({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
+                               "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
+                               "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
+                               "ppo.critic_model": (inputs.get("critic_model", "reward model") if critic is not None
+                                                    else "none"),
+                               "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
+                               "ppo.initial_moments": moments.state_dict()}, resume_from)
         tracker.log_metrics(baseline_metrics, step=0)
     progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
                     disable=not dist.is_main, dynamic_ncols=True)
