@@ -338,8 +338,7 @@ def _precision_line(cfg) -> str:
 
 def _allocator_line() -> str:
     """The malloc the processes that train would start on (a YAML comment; stages/allocator.py)."""
-    preload = allocator.environment(dict(os.environ)).get("LD_PRELOAD", "")
-    library = next((path for path in preload.split() if "tcmalloc" in path), None)
+    library = allocator.preloaded(allocator.environment(dict(os.environ)))
     return (f"# training processes run on {'TCMalloc (' + library + ')' if library else 'the system malloc'} "
             f"({allocator.VARIABLE}={os.environ.get(allocator.VARIABLE, 'auto')})")
 

@@ -17,6 +17,7 @@ where it is missing), `system` (glibc's malloc)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,14 +42,19 @@ def find_tcmalloc(folders: tuple[str, ...] = FOLDERS) -> str | None:
     return None
 
 
+def preloaded(env: dict[str, str]) -> str | None:
+    """The TCMalloc library that `env`'s LD_PRELOAD names (entries separated by spaces or colons, as
+    the dynamic loader takes them), or None."""
+    return next((entry for entry in re.split(r"[\s:]+", env.get("LD_PRELOAD", "")) if "tcmalloc" in entry), None)
+
+
 def environment(env: dict[str, str], folders: tuple[str, ...] = FOLDERS) -> dict[str, str]:
     """`env` for a child process that trains: with TCMalloc (looked for in `folders`) preloaded
     where RLHF_ALLOCATOR asks for it (or `auto` finds it) and it is not preloaded already."""
     choice = env.get(VARIABLE, "auto")
     if choice not in CHOICES:
         raise AllocatorError(f"{VARIABLE}={choice!r}: expected one of {', '.join(CHOICES)}")
-    preloaded = env.get("LD_PRELOAD", "")
-    if choice == "system" or "tcmalloc" in preloaded:
+    if choice == "system" or preloaded(env):
         return dict(env)
     path = find_tcmalloc(folders)
     if path is None:
@@ -57,7 +63,7 @@ def environment(env: dict[str, str], folders: tuple[str, ...] = FOLDERS) -> dict
                                  "install it (Debian/Ubuntu: apt-get install libtcmalloc-minimal4) or set "
                                  f"{VARIABLE}=auto")
         return dict(env)
-    return {**env, "LD_PRELOAD": f"{path} {preloaded}".strip(),
+    return {**env, "LD_PRELOAD": f"{path} {env.get('LD_PRELOAD', '')}".strip(),
             # TCMalloc reports every allocation above 1 GiB on stderr; a large model's buffers are.
             "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": env.get("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))}
 

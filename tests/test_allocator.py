@@ -49,6 +49,8 @@ def test_the_environment_preloads_it_once_beside_what_is_preloaded_already():
     env = allocator.environment({"LD_PRELOAD": "/opt/other.so", "PATH": "/bin"})
     assert env["LD_PRELOAD"] == f"{TCMALLOC} /opt/other.so" and env["PATH"] == "/bin"
     assert allocator.environment(env) == env  # already preloaded: unchanged
+    colons = {"LD_PRELOAD": f"/opt/other.so:{TCMALLOC}"}  # the loader's other separator
+    assert allocator.environment(colons) == colons and allocator.preloaded(colons) == TCMALLOC
     assert allocator.environment({allocator.VARIABLE: "tcmalloc"})["LD_PRELOAD"] == TCMALLOC
 
 
