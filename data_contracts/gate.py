@@ -192,7 +192,9 @@ def validate(suite: str, frame: pd.DataFrame, cfg: PipelineConfig, docs_dir: Pat
     index = ["row"] if "row" in frame.columns else []
     result_format = {"result_format": "SUMMARY", "unexpected_index_column_names": index,
                      "partial_unexpected_count": max(20, cfg.contracts.max_examples)}
-    actions = [gx.checkpoint.UpdateDataDocsAction(name="data_docs")] if docs_dir is not None else []
+    # Our site only: the ephemeral context's default `local_site` lives in a temp folder of its own
+    # that nothing removes (4 MB of pages and fonts a suite, left behind on every gate).
+    actions = [gx.checkpoint.UpdateDataDocsAction(name="data_docs", site_names=["rlhf"])] if docs_dir is not None else []
     checkpoint = context.checkpoints.add(gx.Checkpoint(name=suite, validation_definitions=[definition],
                                                        actions=actions, result_format=result_format))
     run = checkpoint.run(batch_parameters={"dataframe": derive(suite, frame)})
@@ -258,6 +260,9 @@ def check_handoff(stage: str, outputs: dict[str, str], cfg: PipelineConfig) -> G
     missing = [key for key in (spec.run_output, *spec.contract.values()) if key not in outputs]
     if missing:
         raise ValueError(f"contract gate after '{stage}': the stage's outputs lack {', '.join(missing)}")
-    frames = {suite: pd.read_parquet(tracking.download(outputs[key])) for suite, key in spec.contract.items()}
+    frames = {}
+    for suite, key in spec.contract.items():
+        with tracking.fetched(outputs[key]) as probe:
+            frames[suite] = pd.read_parquet(probe)
     model = outputs.get(spec.model_output) if spec.model_output else None
     return gate(stage, frames, cfg, mlflow_client=tracking.client(), run_id=outputs[spec.run_output], model_version=model)

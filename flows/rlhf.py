@@ -123,8 +123,9 @@ def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, in
         reused = False
     pipeline.record_stage(name, produced[spec.run_output], "reused" if reused else "ran")
     if f"{name}_summary" in produced:  # a stage's own report (eval): its markdown summary, linking to it
-        create_markdown_artifact(tracking.download(produced[f"{name}_summary"]).read_text(), key=f"{name}-report",
-                                 description=f"{name} report, MLflow run {produced[spec.run_output]}")
+        with tracking.fetched(produced[f"{name}_summary"]) as summary:
+            create_markdown_artifact(summary.read_text(), key=f"{name}-report",
+                                     description=f"{name} report, MLflow run {produced[spec.run_output]}")
     if reused:
         print(f"stage {name}: unchanged inputs and config, reusing stage run {produced[spec.run_output]}")
     elif spec.contract:  # stops the flow here on failure (contracts.mode: stop)

@@ -25,10 +25,10 @@ from stages.reward.model import save_reward_model
 from stages.training import masked_mean, trained_model
 
 
-def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
-    return {"splits_dir": str(tracking.download(inputs["splits"])),
-            "sft_model_dir": str(tracking.download(inputs["sft_model"])),
-            "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
+def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
+    return {"splits_dir": str(tracking.download(inputs["splits"], downloads)),
+            "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads)),
+            "reward_model_dir": str(tracking.download(inputs["reward_model"], downloads))}
 
 
 @torch.no_grad()

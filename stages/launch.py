@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -158,9 +159,21 @@ def stage_device(cfg: PipelineConfig, stage: str) -> str:
 
 def run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict) -> dict:
     """Run one stage in-process, or as ranks when its launch config asks; returns its outputs."""
+    # What `prepare` copies from a tracking server or a bucket (the stage's models, its splits) is
+    # the stage's while it runs, in its folder; gone after, however it ends (a killed attempt's
+    # copies: when the resumed one starts).
+    downloads = tracker.workdir / "downloads"
+    shutil.rmtree(downloads, ignore_errors=True)
+    try:
+        return _run_stage(stage, cfg, tracker, inputs, downloads)
+    finally:
+        shutil.rmtree(downloads, ignore_errors=True)
+
+
+def _run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict, downloads: Path) -> dict:
     module = registry.get(stage).load()
     if hasattr(module, "prepare"):
-        inputs = {**inputs, **module.prepare(cfg, inputs)}
+        inputs = {**inputs, **module.prepare(cfg, inputs, downloads)}
     if in_process(cfg, stage):
         return module.run(cfg, tracker, inputs, Dist(workdir=tracker.workdir))
     launch = getattr(cfg, stage).launch

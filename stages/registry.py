@@ -3,7 +3,8 @@ lineage config hash, the contract gates, `rlhf runs`, the served deployments and
 `infra/prefect.yaml` (checked by a test) all read this table; nothing else lists the stages.
 
 Adding a stage is its module (`run(cfg, tracker, inputs, dist) -> outputs`, optionally
-`prepare(cfg, inputs) -> dict`, work done once in the launching process before any rank starts),
+`prepare(cfg, inputs, downloads) -> dict`, work done once in the launching process before any rank
+starts; what it copies from a remote store goes into `downloads`, deleted when the stage ends),
 its config class (a section of `PipelineConfig`) and one `Stage` entry here (or `register(...)`).
 See docs/architecture.md.
 """

@@ -75,9 +75,9 @@ def accumulate_step(engine, micro_batches: list[list[tuple[list[int], list[int]]
     return loss_sum, tokens
 
 
-def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Once, before the ranks start: local copies of the splits and of the base model."""
-    splits_dir = tracking.download(inputs["splits"])
+    splits_dir = tracking.download(inputs["splits"], downloads)
     model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
     return {"splits_dir": str(splits_dir), "base_model_dir": model_dir}
 

@@ -7,13 +7,16 @@ when rerun alone on an earlier pipeline run's artifacts.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -110,19 +113,72 @@ def flatten(values: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def download(uri: str) -> Path:
+def download(uri: str, into: Path | None = None) -> Path:
     """A local path for an artifact URI (`runs:/…`, `models:/…`, `file:…`, `s3://…`); for an MLflow
     model of ours (`models:/<name>/<version>`, `models:/<name>@<alias>`, a logged model `models:/<model
-    id>`, `runs:/<run id>/model`), the Hugging Face folder inside it: what the stages load."""
+    id>`, `runs:/<run id>/model`), the Hugging Face folder inside it: what the stages load.
+
+    An artifact the store keeps in a local folder (the embedded store's `mlartifacts/`) is read
+    where it is. One behind a tracking server or in a bucket is copied under `into`, a folder of
+    the caller's that it removes when done (a stage's `downloads`; the same URI twice: one copy);
+    without `into`, under a folder of this process's, removed when it exits. (MLflow's own default,
+    a fresh temp folder a download, is never removed: a run of a large model would leave every
+    model it read in /tmp.)"""
     _quiet_mlflow()
     import mlflow.artifacts
 
-    if uri.startswith("file://"):
-        return Path(uri.removeprefix("file://"))
-    if uri.startswith("models:/"):  # resolve through our tracking store and registry, not MLflow's global default
-        uri = model_location(uri)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, tracking_uri=tracking_uri()))
+    location = storage_location(uri)
+    local = _local_path(location)
+    if local is None or not local.exists():  # a copy; a run's `model` that is a logged model: MLflow finds it
+        into = _process_downloads() if into is None else into
+        target = into / hashlib.sha256(uri.encode()).hexdigest()[:16]
+        if not target.exists():
+            partial = target.with_name(f".{target.name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            mlflow.artifacts.download_artifacts(artifact_uri=uri if uri.startswith("runs:/") else location,
+                                                dst_path=str(partial), tracking_uri=tracking_uri())
+            partial.rename(target)
+        (local,) = target.iterdir()  # the artifact, under its own name
     return mlflow_models.hf_folder(local) if local.is_dir() else local
+
+
+@contextlib.contextmanager
+def fetched(uri: str):
+    """An artifact to read once (a probe, a summary, a config): its local path while the block
+    runs; a copy made for it is removed after."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-artifact-") as tmp:
+        yield download(uri, Path(tmp))
+
+
+def storage_location(uri: str) -> str:
+    """Where the store keeps the artifact of `uri`: `file:…`, `s3://…`, `mlflow-artifacts:…` (a
+    tracking server's)."""
+    if uri.startswith("models:/"):  # resolve through our tracking store and registry, not MLflow's global default
+        return model_location(uri)
+    if uri.startswith("runs:/"):
+        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+        return RunsArtifactRepository.get_underlying_uri(uri, tracking_uri())
+    return uri
+
+
+def _local_path(location: str) -> Path | None:
+    """The local file or folder of a storage location, or None for a remote one."""
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
+
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        return Path(url2pathname(parsed.path))
+    return Path(location) if parsed.scheme == "" else None
+
+
+@functools.cache
+def _process_downloads() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="rlhf-downloads-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def model_location(uri: str) -> str:
@@ -600,7 +656,8 @@ def recorded_config(pipeline_run_id: str) -> PipelineConfig:
     from stages.config import load_config, upgrade_recorded
 
     try:
-        recorded = json.loads(download(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}").read_text())
+        with fetched(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}") as recorded_file:
+            recorded = json.loads(recorded_file.read_text())
         return PipelineConfig.model_validate(upgrade_recorded(recorded))
     except (MlflowException, OSError):
         return load_config(client().get_run(pipeline_run_id).data.tags["rlhf.preset"])

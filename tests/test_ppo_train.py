@@ -264,12 +264,12 @@ def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
         return RewardModel(load_model(folder, model_cfg, dtype))
 
     monkeypatch.setattr(stage, "load_reward_model", fake_reward_model)
-    monkeypatch.setattr(stage.tracking, "download", lambda uri: f"local/{uri}")
+    monkeypatch.setattr(stage.tracking, "download", lambda uri, into: f"{into}/{uri}")
     inputs = {"sft_model_dir": folder, "reward_model_dir": "rm", "critic_model_dir": "critic"}
     for estimator, expected in (("gae", ["rm", "critic"]), ("reinforce++", ["rm"])):
         loaded.clear()
         cfg = load_config("tiny", [f"ppo.advantage_estimator={estimator}"])
         *_, critic, _ = stage.load_models(cfg, inputs, Dist())
         assert loaded == expected and (critic is None) == (estimator == "reinforce++")
-        local = stage.prepare(cfg, {"splits": "s", "sft_model": "m", "reward_model": "r", "critic_model": "c"})
+        local = stage.prepare(cfg, {"splits": "s", "sft_model": "m", "reward_model": "r", "critic_model": "c"}, "here")
         assert ("critic_model_dir" in local) == (estimator == "gae")

@@ -1,10 +1,14 @@
 """The MLflow artifact store in an S3 bucket through boto3, against a real S3-API server over
 HTTP, with the credentials in a Prefect block: every artifact of the tiny pipeline goes to the
 bucket (SFT from two DeepSpeed ranks started through a hostfile, rank 0 uploading), the reward
-stage loads the SFT model back from it, and the credentials never reach MLflow. (test_serving.py
+stage loads the SFT model back from it, the credentials never reach MLflow, and the copies the
+stages download leave nothing behind. (test_serving.py
 runs the MLflow server's S3 store with the credentials in its environment.)"""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +22,17 @@ OVERRIDES = {
     "sft": {"max_steps": 2, "launch": {"world_size": 2, "deepspeed": "zero2", "hostfile": "hostfile.local"}},
     "reward": {"max_steps": 2},
 }
+LEFT_IN_TEMP: dict[str, object] = {}  # what the S3 run left in its temp folder: name → its entries
 
 
 @pytest.fixture(scope="module")
-def s3_run(prefect_server, s3_server, hh_file):
+def temp_folder(tmp_path_factory) -> Path:
+    """The temp folder of the S3 run: this process's and its children's (TMPDIR)."""
+    return tmp_path_factory.mktemp("s3-run-tmp")
+
+
+@pytest.fixture(scope="module")
+def s3_run(prefect_server, s3_server, hh_file, temp_folder):
     from prefect_aws import AwsClientParameters, AwsCredentials
 
     s3_server.client().create_bucket(Bucket=BUCKET)
@@ -31,11 +42,18 @@ def s3_run(prefect_server, s3_server, hh_file):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RLHF_AWS_CREDENTIALS_BLOCK", "rlhf-s3-test")
         env.setenv("RLHF_ARTIFACTS", f"s3://{BUCKET}/mlflow")
+        env.setenv("TMPDIR", str(temp_folder))
+        env.setattr(tempfile, "tempdir", str(temp_folder))
         for key in s3_server.env:  # the flow sets them from the block; gone again after this module
             env.setenv(key, "")
         from flows.rlhf import rlhf
 
-        yield rlhf(preset="tiny", overrides=OVERRIDES, stages=["data", "sft", "reward"])
+        run_id = rlhf(preset="tiny", overrides=OVERRIDES, stages=["data", "sft", "reward"])
+        # What the run left there, before the tests read anything back (torch's compile cache is
+        # one folder that every run reuses).
+        LEFT_IN_TEMP.update({p.name: sorted(c.name for c in p.iterdir()) if p.is_dir() else "a file"
+                             for p in temp_folder.iterdir() if not p.name.startswith("torchinductor_")})
+        yield run_id
 
 
 def _runs_and_versions(pipeline_run_id: str) -> tuple[list, list]:
@@ -76,6 +94,13 @@ def test_every_artifact_is_in_the_bucket_and_models_load_back(s3_run, s3_server,
     # ... and its own registered version loads back from there.
     model = load_reward_model(tracking.download(outputs["reward_model"]), load_config("tiny").model)
     assert model.score_std > 0
+
+
+def test_the_downloaded_copies_and_gate_reports_leave_nothing_in_the_temp_folder(s3_run):
+    """Every stage reads its inputs (splits, models) and every gate its probes from the bucket: the
+    copies are gone once they are read, as are the gates' Data Docs sites (a run of a large model
+    would otherwise leave its models' weights in /tmp, run after run)."""
+    assert LEFT_IN_TEMP == {}
 
 
 def test_credentials_never_reach_mlflow(s3_run, s3_server):

@@ -34,13 +34,13 @@ def judge_model_config(cfg: PipelineConfig, judge: LocalJudgeConfig) -> ModelCon
     return cfg.model if judge.model is None else cfg.model.model_copy(update={"name_or_path": judge.model, "tokenizer": None})
 
 
-def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Local copies of the splits and of every model the evaluation reads."""
-    splits_dir = tracking.download(inputs["splits"])
-    local = {"splits_dir": str(splits_dir), "sft_model_dir": str(tracking.download(inputs["sft_model"]))}
+    splits_dir = tracking.download(inputs["splits"], downloads)
+    local = {"splits_dir": str(splits_dir), "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
     for name in ("policy_model", "reward_model"):
         if inputs.get(name):
-            local[f"{name}_dir"] = str(tracking.download(inputs[name]))
+            local[f"{name}_dir"] = str(tracking.download(inputs[name], downloads))
     if inputs.get("policy_model"):
         for judge in cfg.eval.judges:
             if judge.kind == "local":

@@ -28,13 +28,13 @@ from stages.training import masked_mean, trained_model
 
 
 
-def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Once, before the ranks start: local copies of the splits and of every model."""
-    local = {"splits_dir": str(tracking.download(inputs["splits"])),
-             "sft_model_dir": str(tracking.download(inputs["sft_model"])),
-             "reward_model_dir": str(tracking.download(inputs["reward_model"]))}
+    local = {"splits_dir": str(tracking.download(inputs["splits"], downloads)),
+             "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads)),
+             "reward_model_dir": str(tracking.download(inputs["reward_model"], downloads))}
     if inputs.get("critic_model") and needs_critic(cfg.ppo):
-        local["critic_model_dir"] = str(tracking.download(inputs["critic_model"]))
+        local["critic_model_dir"] = str(tracking.download(inputs["critic_model"], downloads))
     return local
 
 
