@@ -71,7 +71,7 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
     try:
         chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
         for name, arm in arms.items():
-            studies.drop_checkpoints(run(name, studies.ARM_STAGES, arm, chain))
+            run(name, studies.ARM_STAGES, arm, chain)
         text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
     except CancelledRun as err:  # an arm stopped on request
         tracking.client().set_terminated(study_id, status="KILLED")

@@ -79,17 +79,6 @@ def add_arms(study_id: str, new_arms: dict[str, dict]) -> dict[str, dict]:
     return arms
 
 
-def drop_checkpoints(pipeline_run_id: str) -> None:
-    """A finished arm's PPO checkpoints (its last two and the collapse guard's passing point: ~10 GB
-    for a 135M model) served resuming it only; a study of several arms would fill the disk."""
-    import shutil
-
-    from stages.config import rlhf_home
-
-    for folder in ("checkpoints", "passing"):
-        shutil.rmtree(rlhf_home() / "runs" / pipeline_run_id / "ppo" / folder, ignore_errors=True)
-
-
 def arm_runs(study_id: str) -> dict[str, object]:
     """Arm name (and `chain`) → its newest pipeline run in the study."""
     mlflow_client = tracking.client()

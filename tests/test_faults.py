@@ -314,14 +314,19 @@ def test_a_disk_that_fills_inside_torch_save_is_a_disk_full_error(small_tmpfs):
     assert list(too_small.iterdir()) == []
 
 
-def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_checkpoint(full_run):
+def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_checkpoint(full_run, tiny, tmp_path):
+    from ppo_helpers import greedy_one_minibatch_trainer
+
     cfg = load_config("tiny", ["ppo.iterations=6", "ppo.checkpoint_every=2"])
     pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
     checkpoints = pipeline.workdir / "ppo" / "checkpoints"
     checkpoints.mkdir(parents=True)
-    # A disk with room for one and a half checkpoints (the full run's are the same size): the
-    # checkpoint of iteration 2 fits, that of iteration 4 does not.
-    size = folder_bytes(runs_dir() / full_run / "ppo" / "checkpoints" / "iter-000002") * 3 // 2
+    # A disk with room for one and a half checkpoints: the checkpoint of iteration 2 fits, that of
+    # iteration 4 does not. The stage's are the size of a trainer's on the same tiny actor and
+    # critic after a step (its Adam moments made).
+    trainer = greedy_one_minibatch_trainer(tiny)
+    trainer.step()
+    size = folder_bytes(checkpoint.save(trainer, tmp_path)) * 3 // 2
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(checkpoints)],
                            capture_output=True, text=True)
     if mount.returncode != 0:
