@@ -236,7 +236,8 @@ class RewardConfig(_TrainingSection):
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
-                                            "train_rm.sh sets reward_lm_loss_factor 0.")
+                                            "train_rm.sh sets reward_lm_loss_factor 0. 0: no LM term and no "
+                                            "LM-head pass over the answers; train/ and eval/lm_loss not logged.")
     dynamic_batching: bool = Field(True, description="Dynamic batching (paper §4.2): batches sized by "
                                                      "token_budget; False: fixed_pairs pairs per batch.")
     token_budget: int = Field(16384, description="Padded tokens per batch and rank: pairs × 2 × longest answer. "

@@ -55,11 +55,14 @@ def pairwise_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Ten
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, lm_logits: torch.Tensor,
-                      lm_targets: torch.Tensor, beta_rm: float) -> RewardLoss:
+def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, lm_logits: torch.Tensor | None,
+                      lm_targets: torch.Tensor | None, beta_rm: float) -> RewardLoss:
     """`lm_logits` [M, vocab]: the logits at the M positions of the chosen answers that predict a
-    response token, `lm_targets` [M] those tokens (`next_token_targets`)."""
+    response token, `lm_targets` [M] those tokens (`next_token_targets`); None where β_rm = 0 (no
+    LM term: the pairwise loss alone, `lm_tokens` 0)."""
     pairwise = pairwise_loss(r_chosen, r_rejected)
+    if lm_logits is None:
+        return RewardLoss(total=pairwise, pairwise=pairwise, lm=pairwise.new_zeros(()), lm_tokens=0)
     # L_LM(x, y_w) = −(1/T) Σ_t log p(y_t | x, y_<t) over the T response tokens
     lm_tokens = len(lm_targets)
     lm = nll_sum(lm_logits, lm_targets) / max(lm_tokens, 1)

@@ -102,6 +102,28 @@ def test_the_loss_and_its_gradients_equal_the_whole_logits_formula(tokenizer):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
+def test_without_the_lm_term_the_lm_head_makes_no_pass(tokenizer):
+    """β_rm = 0 (MOSS's setting): the loss is the pairwise one, and the LM head never runs over the
+    chosen answers (a pass over the vocabulary whose loss the weight 0 throws away); the held-out
+    metrics report no LM loss."""
+    pairs = encode_pairs(tokenizer, synthetic_pairs(6, seed=5), max_seq_len=64, max_response_len=16)
+    batch = pair_batch(pairs, tokenizer.pad_token_id, "cpu")
+    n = len(pairs)
+    model = tiny_reward_model(tokenizer)
+    head_passes = []
+    hook = model.lm.get_output_embeddings().register_forward_hook(lambda *_: head_passes.append(1))
+    loss, r_chosen, r_rejected = forward_pairs(model, batch, n, beta_rm=0.0)
+    hook.remove()
+    assert head_passes == [] and loss.lm_tokens == 0
+    torch.testing.assert_close(loss.total, -torch.nn.functional.logsigmoid(r_chosen - r_rejected).mean())
+    loss.total.backward()
+    assert model.score_head.weight.grad.abs().sum() > 0
+
+    sampler = make_sampler(RewardConfig(max_pairs=4, min_pairs=1), pairs, Dist())
+    metrics = score_heldout(model, pairs, sampler, tokenizer.pad_token_id, 0.0, Dist()).metrics(0.95)
+    assert "eval/lm_loss" not in metrics and metrics["eval/loss"] == metrics["eval/pairwise_loss"]
+
+
 def test_last_token_pooling_is_the_same_for_left_and_right_padding(tokenizer):
     model = tiny_reward_model(tokenizer).eval()
     sequences = [[5, 9, 17, 33, 8], [12, 7], [40, 41, 42, 43, 44, 45, 46], [3]]

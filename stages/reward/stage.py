@@ -61,11 +61,12 @@ def pair_batch(pairs: list[EncodedPair], pad_id: int, device: str) -> dict[str, 
 
 
 def forward_pairs(model, batch: dict[str, torch.Tensor], n_pairs: int, beta_rm: float):
-    """(loss, r(chosen), r(rejected)) of a batch made by `pair_batch`."""
-    rewards, (lm_logits, lm_targets) = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                             lm_labels=batch["labels"][:n_pairs])
+    """(loss, r(chosen), r(rejected)) of a batch made by `pair_batch`. With β_rm = 0 the LM head
+    makes no pass over the chosen answers: their LM loss is not in the loss."""
+    lm_labels = batch["labels"][:n_pairs] if beta_rm else None
+    rewards, lm = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], lm_labels=lm_labels)
     r_chosen, r_rejected = rewards[:n_pairs], rewards[n_pairs:]
-    loss = reward_model_loss(r_chosen, r_rejected, lm_logits, lm_targets, beta_rm)
+    loss = reward_model_loss(r_chosen, r_rejected, *(lm or (None, None)), beta_rm)
     return loss, r_chosen, r_rejected
 
 
@@ -73,7 +74,7 @@ def forward_pairs(model, batch: dict[str, torch.Tensor], n_pairs: int, beta_rm: 
 class HeldoutScores:
     r_chosen: np.ndarray
     r_rejected: np.ndarray
-    lm_loss: float
+    lm_loss: float | None  # None: β_rm = 0, not computed
     beta_rm: float
 
     @property
@@ -85,10 +86,11 @@ class HeldoutScores:
         scores = np.concatenate([self.r_chosen, self.r_rejected])
         accuracy = stats.wilson(int(np.sum(self.margins > 0)), len(self.margins), ci_level)
         pairwise = float(pairwise_loss(torch.from_numpy(self.r_chosen), torch.from_numpy(self.r_rejected)))
+        lm = {} if self.lm_loss is None else {"eval/lm_loss": self.lm_loss}
         return {
-            "eval/loss": pairwise + self.beta_rm * self.lm_loss,
+            "eval/loss": pairwise + self.beta_rm * (self.lm_loss or 0.0),
             "eval/pairwise_loss": pairwise,
-            "eval/lm_loss": self.lm_loss,
+            **lm,
             **accuracy.metrics("eval/accuracy"),
             "eval/margin": float(np.mean(self.margins)),
             "eval/score_mean": float(scores.mean()),
@@ -117,7 +119,8 @@ def score_heldout(model, pairs: list[EncodedPair], sampler: PairBatchSampler, pa
         nll_sum, lm_tokens = nll_sum + loss.lm.item() * loss.lm_tokens, lm_tokens + loss.lm_tokens
     total = dist.all_reduce_sum([*r_chosen, *r_rejected, nll_sum, lm_tokens])
     model.train(was_training)
-    return HeldoutScores(np.array(total[:n]), np.array(total[n : 2 * n]), total[-2] / max(total[-1], 1), beta_rm)
+    lm_loss = total[-2] / max(total[-1], 1) if beta_rm else None
+    return HeldoutScores(np.array(total[:n]), np.array(total[n : 2 * n]), lm_loss, beta_rm)
 
 
 def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tensor,
@@ -129,10 +132,10 @@ def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tens
             batch["attention_mask"].numel()]
 
 
-def prepare(cfg: PipelineConfig, inputs: dict) -> dict:
+def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Once, before the ranks start: local copies of the splits and of the SFT model."""
-    return {"splits_dir": str(tracking.download(inputs["splits"])),
-            "sft_model_dir": str(tracking.download(inputs["sft_model"]))}
+    return {"splits_dir": str(tracking.download(inputs["splits"], downloads)),
+            "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
@@ -196,7 +199,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             tracker.log_metrics({
                 "train/loss": train_loss,
                 "train/pairwise_loss": pairwise_sum / pairs,
-                "train/lm_loss": nll_sum / max(lm_tokens, 1),
+                **({"train/lm_loss": nll_sum / max(lm_tokens, 1)} if rm.beta_rm else {}),  # 0: not computed
                 "train/accuracy": correct / pairs,
                 "train/margin": margin_sum / pairs,
                 "train/lr": scheduler.get_last_lr()[0],
