@@ -133,12 +133,17 @@ def download(uri: str, into: Path | None = None) -> Path:
         into = _process_downloads() if into is None else into
         target = into / hashlib.sha256(uri.encode()).hexdigest()[:16]
         if not target.exists():
-            partial = target.with_name(f".{target.name}.partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            mlflow.artifacts.download_artifacts(artifact_uri=uri if uri.startswith("runs:/") else location,
-                                                dst_path=str(partial), tracking_uri=tracking_uri())
-            partial.rename(target)
+            into.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=into))  # complete once renamed
+            try:
+                mlflow.artifacts.download_artifacts(artifact_uri=uri if uri.startswith("runs:/") else location,
+                                                    dst_path=str(partial), tracking_uri=tracking_uri())
+                partial.rename(target)
+            except OSError:
+                if not target.exists():  # else another thread's copy of the same URI got there first
+                    raise
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
         (local,) = target.iterdir()  # the artifact, under its own name
     return mlflow_models.hf_folder(local) if local.is_dir() else local
 
