@@ -103,11 +103,15 @@ def hostfile_slots(name: str) -> tuple[Path, dict[str, int]]:
     return path, slots
 
 
+TORCHRUN_LOGS = "torchrun"
+
+
 def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
     """The command that starts the ranks of a stage, and how many of them run on this host."""
-    if launch.hostfile is None:
+    if launch.hostfile is None:  # its log folder in the stage's (by default a temp folder it leaves behind)
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={launch.world_size}",
-                f"--master_port={free_port()}", "-m", "stages.launch", str(spec_path)], launch.world_size
+                f"--master_port={free_port()}", f"--log-dir={spec_path.parent / TORCHRUN_LOGS}", "-m", "stages.launch",
+                str(spec_path)], launch.world_size
     path, slots = hostfile_slots(launch.hostfile)
     if sum(slots.values()) != launch.world_size:
         raise ConfigError(f"{stage}.launch.world_size is {launch.world_size} but hostfile {path} has "
@@ -198,6 +202,8 @@ def _run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict, downloads
     log_path = tracker.workdir / "ranks.log"
     with open(log_path, "w") as log, RanksRunning(tracker.workdir) as ranks:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Its folders hold nothing ours: the ranks write to ranks.log, their errors to error-rank*.txt.
+    shutil.rmtree(tracker.workdir / TORCHRUN_LOGS, ignore_errors=True)
     if proc.returncode != 0 or not out_path.exists():
         errors = [f"rank {p.stem.removeprefix('error-rank')}: {p.read_text()}"
                   for p in sorted(tracker.workdir.glob("error-rank*.txt"))]
