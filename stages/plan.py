@@ -326,10 +326,11 @@ def picked_logit_bytes_per_token(arch: Architecture, element: int) -> int:
 
 
 def attention_score_bytes(arch: Architecture, rows: int, length: int, element: int) -> int:
-    """The attention scores and probabilities that the padding-free forward keeps for backward
-    where it computes attention as explicit products (bf16 on a CPU, `llama.attention`): 2 ·
-    layers · heads · rows · length² · e. SDPA's fused kernels keep none."""
-    return 2 * arch.num_hidden_layers * arch.num_attention_heads * rows * length * length * element
+    """The attention probabilities that the padding-free forward keeps for backward where it
+    computes attention as explicit products (bf16 on a CPU, `llama.attention`): layers · heads ·
+    rows · length² · e — the softmax's output, which its backward and the product with the values
+    read; the scores before the softmax are freed. SDPA's fused kernels keep none."""
+    return arch.num_hidden_layers * arch.num_attention_heads * rows * length * length * element
 
 
 def inference_bytes(arch: Architecture, rows: int, length: int, logit_positions: int, element: int) -> int:

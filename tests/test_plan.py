@@ -156,6 +156,33 @@ def test_gradient_checkpointing_keeps_layer_inputs_only():
     assert on.activations < off.activations and on.logits == off.logits and on.states == off.states
 
 
+def test_the_attention_scores_counted_are_what_the_explicit_products_keep_for_backward():
+    """bf16 on a CPU with gradients, `llama.attention` computes attention as explicit products: per
+    layer it keeps one score-sized tensor for backward (the softmax's output, which the softmax's and
+    the product's backward both read; the scores before it are freed). The plan counts that, once a
+    layer."""
+    import torch
+
+    from stages.models.llama import explicit_attention
+
+    arch = plan.read_architecture(load_config("tiny").model)
+    rows, length = 4, 32
+    q, k, v = (torch.randn(rows, heads, length, arch.head_size, dtype=torch.bfloat16, requires_grad=True)
+               for heads in (arch.num_attention_heads, arch.num_key_value_heads, arch.num_key_value_heads))
+    mask = torch.zeros(rows, 1, length, length, dtype=torch.bfloat16)
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        explicit_attention(q, k, v, mask, arch.head_size**-0.5, {})
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    made = sum(size for pointer, size in saved.items() if pointer not in inputs)
+    assert plan.attention_score_bytes(arch, rows, length, 2) == arch.num_hidden_layers * made
+
+
 def tiny_cpu_rollout(*overrides: str) -> int:
     """The plan's PPO rollout bytes for the tiny preset on CPU (24 GiB), with `overrides`."""
     return plan.plan(load_config("tiny", list(overrides)), stages=["ppo"], device="cpu",
