@@ -129,7 +129,10 @@ def download(uri: str, into: Path | None = None) -> Path:
 
     location = storage_location(uri)
     local = _local_path(location)
-    if local is None or not local.exists():  # a copy; a run's `model` that is a logged model: MLflow finds it
+    # A copy where the store is remote; and for a run's `model` that is a logged model, kept
+    # elsewhere than the run's folder: MLflow finds it. A local path that is missing fails where
+    # it is read, by its name.
+    if local is None or (not local.exists() and uri.startswith("runs:/")):
         into = _process_downloads() if into is None else into
         target = into / hashlib.sha256(uri.encode()).hexdigest()[:16]
         if not target.exists():
