@@ -391,6 +391,7 @@ def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None
 
 
 def _serve_reward(args) -> int:
+    import signal
     from pathlib import Path
 
     from stages import tracking
@@ -401,6 +402,9 @@ def _serve_reward(args) -> int:
     token = token_from_env(args.auth_env)
     if args.auth_env and not token:
         raise ConfigError(f"--auth-env {args.auth_env}: that environment variable is not set")
+    # SIGTERM (a service manager's stop) ends it as Ctrl-C does: the server closes and the process
+    # exits normally, so a model copied from a remote store is removed (`tracking.download`).
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     folder = Path(args.model) if Path(args.model).is_dir() else tracking.download(args.model)
     server = make_server(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len), args.host, args.port, token)
     host, port = server.server_address[:2]
@@ -413,6 +417,10 @@ def _serve_reward(args) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _die_with_the_supervisor() -> None:

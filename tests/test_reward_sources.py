@@ -84,8 +84,8 @@ def reward_server(full_run):
                 pytest.fail(f"serve-reward did not start: {proc.stdout.read()}")
             time.sleep(0.5)
     yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    proc.terminate()  # as a service manager stops it: a clean exit (a model copied from a remote store is removed)
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
 
 
 def _health(url: str) -> dict:
