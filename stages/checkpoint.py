@@ -189,6 +189,14 @@ def load_engines(folder: Path, engines: dict, dist) -> None:
             engine.lr_scheduler.load_state_dict(states["scheduler"])
 
 
+def discard(dist, *folders: Path) -> None:
+    """A stage's checkpoint folders, deleted by the main rank once its model is published: they
+    served resuming (and PPO's guard rolling back) only."""
+    if dist.is_main:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class StepCheckpoints:
     """The checkpoints of a stage that trains in optimiser steps (SFT, reward): every `every`
     steps and when a stop is asked, in `<stage workdir>/checkpoints`; a rerun in the same folder
@@ -224,5 +232,4 @@ class StepCheckpoints:
         return bool(self.every) and step % self.every == 0 and step < total_steps
 
     def remove(self) -> None:
-        if self.dist.is_main:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        discard(self.dist, self.directory)

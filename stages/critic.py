@@ -6,7 +6,6 @@ This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -127,6 +126,5 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
                      "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
         outputs = {**published, "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
     dist.barrier()
-    if dist.is_main:  # the published critic is the result; they served resuming only
-        shutil.rmtree(checkpoints, ignore_errors=True)
+    checkpoint.discard(dist, checkpoints)  # the published critic is the result
     return outputs

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from stages import checkpoint as shared
-from stages.checkpoint import MANIFEST, DiskFullError, latest, load_rng_state, rng_state  # noqa: F401 (PPO's API)
+from stages.checkpoint import MANIFEST, DiskFullError, discard, latest, load_rng_state, rng_state  # noqa: F401 (PPO's API)
 
 TRAINER_STATE = "trainer.pt"
 

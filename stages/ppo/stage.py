@@ -5,7 +5,6 @@ iterations with checkpoints, held-out evaluation, sample tables; the final polic
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -265,7 +264,5 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg), lineage=lineage)
         outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
     dist.barrier()
-    if dist.is_main:  # the published policy is the result; they served resuming and rolling back only
-        for folder in (checkpoints, guard.directory):
-            shutil.rmtree(folder, ignore_errors=True)
+    checkpoint.discard(dist, checkpoints, guard.directory)  # the published policy is the result
     return outputs
