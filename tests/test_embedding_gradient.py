@@ -12,15 +12,16 @@ from stages.models.embedding import IN_PLACE_ATTRIBUTE, add_gradients_in_place
 from stages.training import PlainEngine, linear_warmup
 
 PAD = 5
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # PlainEngine turns it on on both
 
 
-def tied_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+def tied_llama(dtype: torch.dtype, device: str = "cpu") -> LlamaForCausalLM:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                          pad_token_id=PAD))
     set_fast_path(model, "auto")
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
 def micro_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +47,11 @@ def graph_nodes(tensor: torch.Tensor) -> set[str]:
 
 
 def backward(model: LlamaForCausalLM, micro_batches: int, lm_head: bool) -> set[str]:
+    device = model.device
     for seed in range(micro_batches):
-        ids, mask = micro_batch(seed)
+        ids, mask = (tensor.to(device) for tensor in micro_batch(seed))
         hidden = last_hidden_state(model.base_model, ids, mask)
-        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(10 + seed)).to(hidden.dtype)
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(10 + seed)).to(device, hidden.dtype)
         loss = (hidden.float() * weights.float()).sum()
         if lm_head:  # the LM loss on some rows, through the tied head (as the reward model's and the actor's)
             logits = model.lm_head(hidden[mask.bool()][::2]).float()
@@ -58,11 +60,12 @@ def backward(model: LlamaForCausalLM, micro_batches: int, lm_head: bool) -> set[
     return graph_nodes(loss)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("lm_head", [True, False])
-def test_the_embedding_gradient_added_in_place_is_autograds(dtype, micro_batches, lm_head):
-    autograds, ours = tied_llama(dtype), tied_llama(dtype)
+def test_the_embedding_gradient_added_in_place_is_autograds(device, dtype, micro_batches, lm_head):
+    autograds, ours = tied_llama(dtype, device), tied_llama(dtype, device)
     add_gradients_in_place(ours)
     assert ours.lm_head.weight is ours.get_input_embeddings().weight
     assert "LookupWithGradientInPlaceBackward" not in backward(autograds, micro_batches, lm_head)
@@ -78,11 +81,15 @@ def test_the_embedding_gradient_added_in_place_is_autograds(dtype, micro_batches
         assert PAD in looked_up and rows_with_gradient == len(looked_up) - 1
         assert embedding[PAD].abs().max() == 0
     for (name, expected), ours_parameter in zip(autograds.named_parameters(), ours.parameters()):
-        if dtype == torch.float32:  # the same sums up to their order
-            torch.testing.assert_close(ours_parameter.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+        scale = expected.grad.float().abs().max()
+        error = (ours_parameter.grad.float() - expected.grad.float()).abs().max()
+        if dtype == torch.float32:
+            # The same sums up to their order, which on a GPU is the atomics' (run to run): a row whose
+            # terms cancel differs by ulps of its largest terms, not of itself, so the bound is on the
+            # scale of the gradient (seen on an H200: 8.6e-8 of it; a missing or doubled term is ~1e-2).
+            assert error <= 1e-6 * scale, name
         else:  # ours rounds each row's sum to bf16 once, autograd's sum of bf16 rows rounds at every term
-            scale = expected.grad.float().abs().max()
-            assert (ours_parameter.grad.float() - expected.grad.float()).abs().max() <= 1e-2 * scale, name
+            assert error <= 1e-2 * scale, name
 
 
 def test_the_plain_engine_turns_the_in_place_gradient_on():
