@@ -8,7 +8,9 @@ to the length cap: fine for speed (both sides of a bench generate the same lengt
 Not for training benches past their first steps: at SmolLM2-135M's shape (30 layers, init std 0.02)
 some 256-token rows give non-finite gradients from a finite loss (in fp32 and bf16, with
 transformers' own forward too), so PPO on it stops within an iteration, ours and TRL's alike; the
-reward-model bench only times its steps.
+reward-model bench only times its steps. Shorter rows fared better: `peer_trl.py` with 32-token
+prompts and 128 new tokens ran its iterations on both sides at SmolLM2's shape (CPU) and at ~1.07B
+(an H200).
 
     .venv/bin/python bench/random_model.py --like <SmolLM2 folder> --out /tmp/smollm2-random
     .venv/bin/python bench/random_model.py --like <SmolLM2 folder> --out /tmp/llama-1b \\
