@@ -55,7 +55,7 @@ def report_turn(**fields) -> None:
     mapped anew and zeroed; major: one read back from a file). On a GPU the side first hands the
     memory its allocator holds unused back to the driver: the sides share one GPU, and each side's
     cache of its own turn's peak (TRL's fp32 side at a ~1B model: 27 GiB) left the next side too little
-    (stop 35: out of memory on an H100 with three sides). Every side pays it alike, after its timed turn."""
+    (three sides of a ~1B model ran out of memory on one H100). Every side pays it alike, after its timed turn."""
     (minor, major), (minor_0, major_0) = _faults(), _faults_at_turn_start
     if (cuda := _cuda_in_use()) is not None:
         cuda.empty_cache()

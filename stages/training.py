@@ -191,7 +191,7 @@ class MasterWeights:
 
     `batched` (on a GPU): the copies between masters and model go as torch's multi-tensor
     (`_foreach_*`) ops, a few kernel launches instead of one per tensor: the host, not the GPU, bounds
-    a small model's step there (bench/README.md, stop 35). On a CPU torch runs them one tensor at a
+    a small model's step there (bench/README.md). On a CPU torch runs them one tensor at a
     time either way, and the loop measured faster."""
 
     def __init__(self, model, names: list[list[tuple[torch.nn.Module, str]]], masters: list, copies: list,
@@ -319,7 +319,7 @@ def steps_from_bf16(device: str, precision: str, grad_accum_steps: int) -> bool:
     the master's fp32 buffer, take the clip's norm, scale, step torch's fused AdamW, copy each master
     back to bf16 — five passes over the gradients and weights where two do (the clip's norm over
     bf16 gradients, then one fused update per tensor): a CPU's optimiser step on SmolLM2 ~230 →
-    ~140 ms (bench/README.md, stop 35), and no fp32 gradients kept (4 bytes a parameter). Where:
+    ~140 ms (bench/README.md), and no fp32 gradients kept (4 bytes a parameter). Where:
     a CPU (a GPU has torch's multi-tensor kernels, `MasterWeights.batched`), bf16, and one backward a
     step (accumulated micro-batches add in fp32). `stages.plan` counts memory by it."""
     return device == "cpu" and precision == "bf16" and grad_accum_steps == 1
