@@ -108,7 +108,8 @@ def generated(path: Path) -> bool:
     """A path git ignores: made by a command the page describes (a bench's own virtualenv)."""
     try:
         # both spellings: an ignore rule for a folder ("/bench/.venv-trl/") matches only the one with "/"
-        return subprocess.run(["git", "check-ignore", "-q", str(path), f"{path}/"], cwd=ROOT).returncode == 0
+        return any(subprocess.run(["git", "check-ignore", "-q", name], cwd=ROOT).returncode == 0
+                   for name in (str(path), f"{path}/"))
     except OSError:
         return False
 
