@@ -126,16 +126,21 @@ def anchors(page: Path) -> set[str]:
     return found
 
 
+def repository_paths(code: str) -> list[tuple[str, Path, None]]:
+    """The repository paths named in a piece of code, placeholders (`stages/models/<arch>.py`) left out."""
+    return [(code.strip(), ROOT / match.group(1), None) for match in REPO_PATH.finditer(code)
+            if not re.match(r"[<{*…]", code[match.end():match.end() + 1])]
+
+
 def named_paths(page: Path, text: str | None = None) -> list[tuple[str, Path, str | None]]:
-    """(as written, the path it names, its anchor) for each code span naming a repository path and
-    each relative link or image, fenced code blocks left out (they show commands and output)."""
+    """(as written, the path it names, its anchor) for each repository path in a code span or a
+    fenced block's line (the commands a reader copies), and each relative link or image."""
     text = page.read_text(encoding="utf-8") if text is None else text
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    named = []
-    for span in CODE_SPAN.findall(text):
-        for match in REPO_PATH.finditer(span):
-            if not re.match(r"[<{*…]", span[match.end():match.end() + 1]):  # a placeholder: `stages/models/<arch>.py`
-                named.append((span, ROOT / match.group(1), None))
+    fences = re.compile(r"^```.*?^```", flags=re.S | re.M)
+    named = [found for block in fences.findall(text) for line in block.splitlines()[1:-1]
+             for found in repository_paths(line)]
+    text = fences.sub("", text)
+    named += [found for span in CODE_SPAN.findall(text) for found in repository_paths(span)]
     for link in LINK.finditer(text):
         target = link.group(1) or link.group(2)
         if re.match(r"[a-z][a-z0-9+.-]*:", target):
@@ -161,10 +166,11 @@ def test_every_named_path_exists(page):
 
 def test_path_check_sees_missing_paths(tmp_path):
     text = ("`stages/config.py` and `stages/no_such_module.py: run()`, [a page](guide/none.md), "
-            "`stages/models/<arch>.py` (a placeholder)\n```\nbench/in_a_fence.py\n```\n")
+            "`stages/models/<arch>.py` (a placeholder)\n```\n.venv/bin/python bench/no_such_bench.py --help\n"
+            "python bench/<name>.py\n```\n")
     names = [(written, path.exists()) for written, path, _ in named_paths(tmp_path / "page.md", text)]
-    assert names == [("stages/config.py", True), ("stages/no_such_module.py: run()", False),
-                     ("guide/none.md", False)]
+    assert names == [(".venv/bin/python bench/no_such_bench.py --help", False), ("stages/config.py", True),
+                     ("stages/no_such_module.py: run()", False), ("guide/none.md", False)]
 
 
 def test_readme_fits_one_reading():
