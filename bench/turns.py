@@ -76,7 +76,7 @@ def wait_for_the_end() -> None:
     turns (`Worker.peak_rss_mib`). A side's process that went on to its own end at once (a
     trainer's wrap-up after its last step, gigabytes freed at exit) did so while the other side's
     last turn was timed: with TRL's PPO process ending beside it, our last iteration was slower
-    than the others in every peer_trl.py run, and in no run of ours alone (bench/README.md)."""
+    than the others in every peer_trl.py run, and in no run of ours alone."""
     global _ended
     if not _ended:
         if sys.stdin.readline().strip() != "finish":
