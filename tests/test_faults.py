@@ -1,4 +1,4 @@
-"""Faults injected into real runs of the tiny PPO stage (issue 8): a SIGKILL at a random moment and
+"""Faults injected into real runs of the tiny PPO stage: a SIGKILL at a random moment and
 a resume (of the SFT, reward and critic stages too), a tracking server that goes away (and comes back, or not), a disk that fills up while a
 checkpoint is written. Every run keeps its metric history whole: each step logged exactly once."""
 

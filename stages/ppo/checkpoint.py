@@ -1,4 +1,4 @@
-"""PPO checkpoints (design §4.7), through the shared `stages.checkpoint`: actor, critic (none with
+"""PPO checkpoints, through the shared `stages.checkpoint`: actor, critic (none with
 a critic-free advantage estimator), their optimisers and schedulers, running moments, RNG states,
 data cursor and iteration, in `<dir>/iter-000010/`."""
 
