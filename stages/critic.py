@@ -82,7 +82,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     while trainer.iteration < max_rollouts and not converged:
         interrupt.stop_point(dist, "critic", f"after rollout {trainer.iteration} of {max_rollouts}",
                              save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints, keep=1)}")
-        # An iteration skipped for NaN/Inf scores (stages/guards.py) trained nothing: no losses.
+        # An iteration skipped for NaN/Inf scores (stages/nonfinite.py) trained nothing: no losses.
         metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **trainer.step()}
         keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
                 "objective/scores_shaped", "reward/running_mean", "reward/running_std", "policy/response_length",

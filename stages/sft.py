@@ -16,7 +16,7 @@ from stages import interrupt, mlflow_models, precision, sources, tracking
 from stages.checkpoint import StepCheckpoints
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import shifted_nll
 from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model

@@ -18,7 +18,7 @@ from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
-from stages.ppo.guard import CollapseGuard
+from stages.ppo.collapse_guard import CollapseGuard
 from stages.reward_sources import text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode

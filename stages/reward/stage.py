@@ -17,7 +17,7 @@ from stages import interrupt, precision, sources, stats, tracking
 from stages.checkpoint import StepCheckpoints
 from stages.config import PipelineConfig, RewardConfig
 from stages.data import count_cut, encode_example, read_jsonl
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.reward.batching import PairBatchSampler
