@@ -153,7 +153,7 @@ def run_ours(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     from stages import precision, sources
     from stages.config import PipelineConfig
-    from stages.guards import NonFiniteGuard
+    from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
     from stages.reward.model import load_reward_model
     from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, step_totals

@@ -1,4 +1,4 @@
-"""The live collapse guard (stages/ppo/guard.py) on a real PPO trainer (tiny model, rule reward)
+"""The live collapse guard (stages/ppo/collapse_guard.py) on a real PPO trainer (tiny model, rule reward)
 and the real policy contract: a pass saves the passing point, a breach stops, rolls back (weights
 of the last pass, actor lr scaled, progress kept) or warns. The guard through the whole stage:
 tests/test_ppo_stage.py."""
@@ -12,7 +12,7 @@ from ppo_helpers import RULE, make_trainer
 
 from stages.config import load_config
 from stages.launch import Dist
-from stages.ppo.guard import CollapseGuard
+from stages.ppo.collapse_guard import CollapseGuard
 
 BANDS = ["contracts.policy.max_kl=1.0"]  # a held-out mean KL to SFT above 1 nat is a breach
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from stages.config import PPOConfig
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import (POLICY_STAT_NAMES, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
                            value_loss)

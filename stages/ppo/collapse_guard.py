@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from stages import checkpoint
 from stages.config import PipelineConfig
-from stages.ppo import checkpoint
 
 NO_COLLAPSE = "none"
 
@@ -62,7 +62,7 @@ class CollapseGuard:
             self._passed(trainer, policy_probe(self.baseline, self.baseline))
 
     def _passed(self, trainer, probe: pd.DataFrame) -> None:
-        checkpoint.save(trainer, self.directory, keep=1)
+        checkpoint.save_trainer(trainer, self.directory, keep=1)
         self.state.passing_iteration = trainer.iteration
         if self.dist.is_main:
             probe.to_parquet(self.probe_file)
