@@ -519,15 +519,16 @@ class PPOConfig(_TrainingSection):
         description="The live collapse guard: at each "
                     "held-out evaluation the policy contract's bands (contracts.policy: KL, length and perplexity "
                     "ratios to SFT, EOS rate) are checked. On a breach: stop (end the stage), rollback (restore the "
-                    "last checkpoint that passed, multiply the actor lr by rollback_lr_factor and go on; at most "
-                    "max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
+                    "last checkpoint that passed, set the actor lr to actor_lr · rollback_lr_factor^k after the "
+                    "k-th rollback and go on; at most max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
                     "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke. ours: the paper "
                     "reads the same indicators (§5.1, Figs. 4 and 9) after the fact; rollback keeps a run going.")
     max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback). "
                                                     "ours: two halvings, then a breach is taken as the setting's own.")
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,
-                                      description="The actor lr is multiplied by this at each rollback. ours: a "
-                                                  "smaller step from the same weights.")
+                                      description="After the k-th rollback the actor lr is actor_lr · factor^k "
+                                                  "(absolute: the restored checkpoint may hold an lr an earlier "
+                                                  "rollback cut). ours: a smaller step from the same weights.")
 
     @field_validator("reward")
     @classmethod
