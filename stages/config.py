@@ -177,6 +177,15 @@ class LaunchConfig(_Section):
 # the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code ("MOSS", github.com/OpenLMLab/MOSS-RLHF:
 # config_ppo.py, config_rm.py, train_*.sh, accelerate_config.yaml), another implementation (TRL,
 # OpenRLHF, InstructGPT), or "ours: <reason>". `rlhf config --explain` prints them.
+def _check_response_fits(section: SFTConfig | RewardConfig) -> None:
+    """A prompt keeps max_seq_len − max_response_len tokens at least (`stages.data.encode_example`
+    cuts the prompt, never the response, to fit max_seq_len): none at all trains on answers to nothing."""
+    if section.max_response_len >= section.max_seq_len:
+        raise ValueError(f"max_response_len={section.max_response_len} must be below max_seq_len="
+                         f"{section.max_seq_len}: a response that long leaves no token of its prompt (the prompt is "
+                         f"cut to max_seq_len − max_response_len tokens)")
+
+
 class _TrainingSection(_Section):
     """What every training stage (SFT, reward, critic, PPO) has, defined once: its optimiser's
     betas and clip, its non-finite guard, its seed and how it runs."""
@@ -227,6 +236,11 @@ class SFTConfig(_TrainingSection):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
                                                             "off, small models fit without it.")
 
+    @model_validator(mode="after")
+    def _response_fits(self) -> SFTConfig:
+        _check_response_fits(self)
+        return self
+
 
 class RewardConfig(_TrainingSection):
     """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
@@ -258,6 +272,11 @@ class RewardConfig(_TrainingSection):
                               "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
                               "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
                               "~1.6 GB (fp32 weights and Adam's two moments).")
+
+    @model_validator(mode="after")
+    def _response_fits(self) -> RewardConfig:
+        _check_response_fits(self)
+        return self
 
 
 class RawPairsContract(_Section):
