@@ -327,7 +327,9 @@ class PolicyContract(_Section):
     """Policy contract (the paper's pattern-collapse guard), on the PPO stage's final held-out
     evaluation, relative to the SFT policy's evaluation before the first iteration."""
 
-    max_kl: float = Field(10.0, description="Mean KL(π ‖ π_SFT) per held-out response, nats.")
+    max_kl: float = Field(10.0, description="Mean KL(π ‖ π_SFT) per held-out response, nats: k1 summed over the "
+                                            "response's tokens, both models at ppo.generation.temperature (the "
+                                            "tempered KL PPO penalises).")
     min_length_ratio: float = Field(0.5, description="Mean response length / the SFT policy's, at least.")
     max_length_ratio: float = Field(2.0, description="Mean response length / the SFT policy's, at most.")
     min_perplexity_ratio: float = Field(0.5, description="Mean per-response perplexity / the SFT policy's, at "
@@ -364,8 +366,19 @@ class GenerationConfig(_Section):
 
     max_new_tokens: int = Field(128, description="New tokens per response at most. MOSS: maxlen_res 128 "
                                                  "(config_ppo.py).")
-    temperature: float = Field(0.8, description="Sampling temperature. MOSS: temperature 0.8 (config_ppo.py).")
-    top_p: float = Field(0.9, description="Nucleus sampling. MOSS: topp 0.9 (config_ppo.py).")
+    temperature: float = Field(
+        0.8,
+        description="Sampling temperature T. MOSS: temperature 0.8 (config_ppo.py). PPO's ratio ρ, the KL to SFT "
+                    "(the reward's penalty, objective/kl, eval/kl and the collapse guard's band, "
+                    "contracts.policy.max_kl) and objective/entropy all take log π and log π_SFT of logits / T: a "
+                    "tempered KL, as TRL's PPO; the perplexities (policy/perplexity, eval/perplexity) are at T = 1.")
+    top_p: float = Field(
+        0.9,
+        description="Nucleus sampling. MOSS: topp 0.9 (config_ppo.py); kept, the paper's setting. The rollouts "
+                    "sample from the nucleus, renormalised, while the ratio and the KL take log π over the whole "
+                    "vocabulary (as MOSS; TRL fixes top_p 1.0 for PPO): the policy gradient and k1 are then "
+                    "estimates under a distribution slightly off the one sampled (a kept token's sampling "
+                    "probability exceeds its π by a factor of at most 1 / top_p). 1.0 makes them on-policy.")
     top_k: int = Field(0, description="Top-k filter; 0: off. MOSS: none (its sampler has temperature and top-p "
                                       "only).")
     repetition_penalty: float = Field(
@@ -531,11 +544,12 @@ class PPOConfig(_TrainingSection):
     max_prompt_len: int = Field(256, description="Prompt cap in tokens. ours: HH prompts on small models.")
     generation: GenerationConfig = Field(GenerationConfig(), description="Rollout sampling. MOSS's sampler "
                                                                          "settings (see each field).")
-    eval_every: int = Field(10, description="Held-out evaluation every N iterations and after the last: RM score, "
-                                            "KL to SFT, length, perplexity (T = 1), EOS rate, distinct-2, score-length "
-                                            "correlation, and paired deltas to SFT's responses to the same prompts "
-                                            "with confidence intervals (`statistics`); the collapse guard reads it. "
-                                            "ours: ten evaluations in a default run.")
+    eval_every: int = Field(
+        10,
+        description="Held-out evaluation every N iterations and after the last: RM score, KL to SFT (tempered: at "
+                    "the sampling temperature), length, perplexity (T = 1), EOS rate, distinct-2, score-length "
+                    "correlation, and paired deltas to SFT's responses to the same prompts with confidence intervals "
+                    "(`statistics`); the collapse guard reads it. ours: ten evaluations in a default run.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) per evaluation. ours: 64, "
                                                  "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
@@ -544,13 +558,14 @@ class PPOConfig(_TrainingSection):
                                                   "most 10 iterations.")
     on_collapse: Literal["stop", "rollback", "warn"] = Field(
         "rollback",
-        description="The live collapse guard: at each "
-                    "held-out evaluation the policy contract's bands (contracts.policy: KL, length and perplexity "
-                    "ratios to SFT, EOS rate) are checked. On a breach: stop (end the stage), rollback (restore the "
-                    "last checkpoint that passed, set the actor lr to actor_lr · rollback_lr_factor^k after the "
-                    "k-th rollback and go on; at most max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
-                    "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke. ours: the paper "
-                    "reads the same indicators (§5.1, Figs. 4 and 9) after the fact; rollback keeps a run going.")
+        description="The live collapse guard: at each held-out evaluation the policy contract's bands "
+                    "(contracts.policy: KL at the sampling temperature, length and perplexity ratios to SFT, EOS "
+                    "rate) are checked. On a breach: stop (end the stage), rollback (restore the last checkpoint "
+                    "that passed, set the actor lr to actor_lr · rollback_lr_factor^k after the k-th rollback and "
+                    "go on; at most max_rollbacks times, then stop) or warn (go on). In every case the policy "
+                    "registered is the last one that passed, tagged rlhf.collapse with the iteration and the rule "
+                    "that broke. ours: the paper reads the same indicators (§5.1, Figs. 4 and 9) after the fact; "
+                    "rollback keeps a run going.")
     max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback). "
                                                     "ours: two halvings, then a breach is taken as the setting's own.")
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,

@@ -1,6 +1,7 @@
 """The live collapse guard: the paper's pattern-collapse indicators (§5.1, Figs. 4 and 9: KL to the
 SFT policy blowing up, response length and perplexity drifting) enforced while PPO trains, not only
-by the gate at the end.
+by the gate at the end. The KL is tempered: both policies at the sampling temperature
+(`ppo.generation.temperature`), the KL PPO penalises; the perplexities are at T = 1.
 
 At each held-out evaluation the policy contract (data_contracts, suite `policy`: the same bands the
 gate after the stage checks) judges the policy's responses against the SFT policy's. A pass saves

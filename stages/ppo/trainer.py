@@ -162,6 +162,8 @@ class PPOTrainer:
             # Per response, summed over tokens, with ppo.kl_estimator (k1 by default): unbiased, but a
             # batch mean can be negative when π samples tokens it rates below π_SFT. k3 beside it:
             # never negative, the number to read as "how far from SFT" (Schulman, "Approximating KL").
+            # Both tempered: log π and log π_SFT of logits / T at the sampling temperature (as TRL),
+            # the KL the reward penalises; the entropy below too.
             "objective/kl": kl_per_sequence.mean().item(),
             "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
             "objective/non_score_reward": (-reward_beta * kl_per_sequence).mean().item(),
