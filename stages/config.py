@@ -455,10 +455,11 @@ class PPOConfig(_TrainingSection):
         description="How the actor's per-token terms (the policy loss, the entropy bonus and the KL loss term) "
                     "reduce over a minibatch, for every advantage estimator: `token_mean`, one mean over all "
                     "response tokens, so a long response weighs more (MOSS: the sum over the minibatch's response "
-                    "tokens over their count, ppo/ppo_trainer.py; TRL; verl's loss_agg_mode token-mean); `seq_mean`, each response's token mean first, then the mean over "
-                    "responses (DeepSeekMath's GRPO objective; verl's seq-mean-token-mean). The value loss stays a "
-                    "token mean either way: each token's state has its own return to fit, and critic pre-training, "
-                    "which shares it, does not read this field.")
+                    "tokens over their count, ppo/ppo_trainer.py; TRL; verl's loss_agg_mode token-mean); "
+                    "`seq_mean`, each response's token mean first, then the mean over responses (DeepSeekMath's "
+                    "GRPO objective; verl's seq-mean-token-mean). The value loss stays a token mean either way: "
+                    "each token's state has its own return to fit, and critic pre-training, which shares it, does "
+                    "not read this field.")
 
     iterations: int = Field(100, description="Rollout + update rounds. ours: presets size it to the hardware.")
     rollout_batch_size: int = Field(128, description="Rollouts per iteration and rank: rollout_batch_size / "
