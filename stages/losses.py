@@ -190,6 +190,7 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
             loss_agg: LossAggregation = "token_mean") -> torch.Tensor:
     """The KL penalty as a loss term (`ppo.kl_penalty_in=loss`, as GRPO and OpenRLHF's `use_kl_loss`):
     the mean estimator over response tokens (by `loss_agg`, as the policy loss) on log π_θ with its
-    graph. Its expected gradient on tokens sampled from π_θ: k2 → ∇KL(π ‖ π_SFT); k3 → ∇KL(π_SFT ‖ π), the reverse KL, equal to
-    the forward one to second order around π_SFT; k1 → 0, which is why the config refuses k1 here."""
+    graph. Its expected gradient on tokens sampled from π_θ: k2 → ∇KL(π ‖ π_SFT); k3 → ∇KL(π_SFT ‖ π),
+    the reverse KL, equal to the forward one to second order around π_SFT; k1 → 0, which is why the
+    config refuses k1 here."""
     return aggregate(kl_estimate(logprobs, ref_logprobs, kind), mask, loss_agg)

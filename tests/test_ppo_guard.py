@@ -101,7 +101,8 @@ def test_each_rollback_sets_the_actor_lr_to_the_configured_lr_times_the_factor_p
         expected = actor_lr * factor**rollbacks
         assert [group["lr"] for group in trainer.actor.optimizer.param_groups] == pytest.approx(
             [expected] * len(trainer.actor.optimizer.param_groups)), rollbacks
-        assert trainer.actor.lr_scheduler.base_lrs == pytest.approx([expected] * len(trainer.actor.lr_scheduler.base_lrs))
+        scheduler = trainer.actor.lr_scheduler
+        assert scheduler.base_lrs == pytest.approx([expected] * len(scheduler.base_lrs))
     trainer.step()
     assert trainer.actor.lr_scheduler.get_last_lr()[0] == pytest.approx(actor_lr * factor**3)
     assert not guard.stopped and [e["action"] for e in guard.state.events] == ["rollback"] * 3

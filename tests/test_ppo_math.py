@@ -376,9 +376,11 @@ def test_token_and_sequence_means_agree_when_every_response_has_the_same_length(
 
     per_token, mask = torch.randn(4, 5), torch.ones(4, 5)
     mask[:, 3:] = 0
-    assert aggregate(per_token, mask, "seq_mean").item() == pytest.approx(aggregate(per_token, mask, "token_mean").item())
+    token_mean = aggregate(per_token, mask, "token_mean").item()
+    assert aggregate(per_token, mask, "seq_mean").item() == pytest.approx(token_mean)
     mask[0, 1:] = 0  # one response of one token: it weighs a quarter under seq_mean, a tenth under token_mean
-    assert aggregate(per_token, mask, "seq_mean").item() != pytest.approx(aggregate(per_token, mask, "token_mean").item())
+    token_mean = aggregate(per_token, mask, "token_mean").item()
+    assert aggregate(per_token, mask, "seq_mean").item() != pytest.approx(token_mean)
     with pytest.raises(ConfigError, match="'ppo.loss_agg'"):
         load_config("tiny", ["ppo.loss_agg=seq_sum"])
 
