@@ -177,15 +177,6 @@ class LaunchConfig(_Section):
 # the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code ("MOSS", github.com/OpenLMLab/MOSS-RLHF:
 # config_ppo.py, config_rm.py, train_*.sh, accelerate_config.yaml), another implementation (TRL,
 # OpenRLHF, InstructGPT), or "ours: <reason>". `rlhf config --explain` prints them.
-def _check_response_fits(section: SFTConfig | RewardConfig) -> None:
-    """A prompt keeps max_seq_len − max_response_len tokens at least (`stages.data.encode_example`
-    cuts the prompt, never the response, to fit max_seq_len): none at all trains on answers to nothing."""
-    if section.max_response_len >= section.max_seq_len:
-        raise ValueError(f"max_response_len={section.max_response_len} must be below max_seq_len="
-                         f"{section.max_seq_len}: a response that long leaves no token of its prompt (the prompt is "
-                         f"cut to max_seq_len − max_response_len tokens)")
-
-
 class _TrainingSection(_Section):
     """What every training stage (SFT, reward, critic, PPO) has, defined once: its optimiser's
     betas and clip, its non-finite guard, its seed and how it runs."""
@@ -202,7 +193,24 @@ class _TrainingSection(_Section):
                                                              "default.")
 
 
-class SFTConfig(_TrainingSection):
+class _PromptAnswerSection(_TrainingSection):
+    """A training stage on (prompt, answer) examples cut to fit (SFT, the reward model):
+    `stages.data.encode_example` cuts the answer to max_response_len and the prompt to what is left
+    of max_seq_len."""
+
+    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
+    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
+
+    @model_validator(mode="after")
+    def _answer_leaves_room_for_the_prompt(self) -> _PromptAnswerSection:
+        if self.max_response_len >= self.max_seq_len:
+            raise ValueError(f"max_response_len={self.max_response_len} must be below max_seq_len="
+                             f"{self.max_seq_len}: a response that long leaves no token of its prompt (the prompt is "
+                             f"cut to max_seq_len − max_response_len tokens)")
+        return self
+
+
+class SFTConfig(_PromptAnswerSection):
     """Supervised fine-tuning on the SFT split's chosen answers (paper §5.1)."""
 
     lr: float = Field(9.5e-6, description="Peak learning rate. paper §5.1.")
@@ -218,8 +226,6 @@ class SFTConfig(_TrainingSection):
                                                   "OpenRLHF: lr_warmup_ratio 0.03.")
     min_lr_ratio: float = Field(0.1, description="The cosine decays to this fraction of the peak lr (paper §5.1: "
                                                  "10 %).")
-    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
-    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) whose chosen answers give the "
                                                  "perplexity before and after. ours: "
                                                "enough for a stable mean, cheap on a CPU.")
@@ -236,13 +242,8 @@ class SFTConfig(_TrainingSection):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
                                                             "off, small models fit without it.")
 
-    @model_validator(mode="after")
-    def _response_fits(self) -> SFTConfig:
-        _check_response_fits(self)
-        return self
 
-
-class RewardConfig(_TrainingSection):
+class RewardConfig(_PromptAnswerSection):
     """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
 
     lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
@@ -260,8 +261,6 @@ class RewardConfig(_TrainingSection):
     max_pairs: int = Field(128, description="Pairs per batch at most, paper: 4 to 128.")
     fixed_pairs: int = Field(8, description="Pairs per batch and rank when dynamic_batching is off. ours: "
                                             "small batches (MOSS's config_rm.py: batch_size 8 per GPU).")
-    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
-    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
     warmup_ratio: float = Field(0.1, description="Linear warm-up over this fraction of the optimiser steps. paper "
                                                  "§4.2 (MOSS train_rm.sh: 100 of 1000 steps).")
     heldout_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
@@ -272,11 +271,6 @@ class RewardConfig(_TrainingSection):
                               "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
                               "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
                               "~1.6 GB (fp32 weights and Adam's two moments).")
-
-    @model_validator(mode="after")
-    def _response_fits(self) -> RewardConfig:
-        _check_response_fits(self)
-        return self
 
 
 class RawPairsContract(_Section):
