@@ -25,7 +25,7 @@ from stages.evaluate import report
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 CHAIN_STAGES = ["data", "sft", "reward", "critic"]
 ARM_STAGES = ["ppo", "eval"]
-CURVES = {"eval/score": "held-out RM score", "eval/kl": "KL to SFT (nats per response)",
+CURVES = {"eval/score": "held-out RM score", "eval/kl": "tempered KL to SFT (nats per response)",
           "eval/response_length": "response length (tokens)", "eval/perplexity": "perplexity (T = 1)"}
 # The table's numbers: (metric of the PPO stage run's last held-out evaluation, column).
 PPO_FINAL = [("eval/score_delta", "score Δ vs SFT"), ("eval/kl", "KL"), ("eval/response_length_delta", "length Δ"),

@@ -129,9 +129,10 @@ def test_policy_perplexity_is_the_models_own_at_temperature_one(tiny):
     assert metrics["policy/perplexity"] != pytest.approx(metrics["policy/perplexity_tempered"], rel=1e-3)
 
 
-def test_kl_penalty_in_the_loss_trains_with_finite_numbers_and_logs_it(tiny):
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+def test_kl_penalty_in_the_loss_trains_with_finite_numbers_and_logs_it(tiny, loss_agg):
     trainer = make_trainer(tiny, "ppo.kl_penalty_in=loss", "ppo.kl_estimator=k3", "ppo.rollout_batch_size=8",
-                           "ppo.minibatch_size=8", "ppo.generation.max_new_tokens=8")
+                           "ppo.minibatch_size=8", "ppo.generation.max_new_tokens=8", f"ppo.loss_agg={loss_agg}")
     first = trainer.step()
     second = trainer.step()
     assert first["objective/non_score_reward"] == 0.0  # no KL inside the reward

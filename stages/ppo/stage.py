@@ -114,7 +114,8 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
 
 @torch.no_grad()
 def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> tuple[dict[str, float], pd.DataFrame]:
-    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT, EOS rate,
+    """Held-out check of the collapse indicators: mean score, length, perplexity (T = 1), KL to SFT
+    (tempered: both models at the sampling temperature, as PPO's penalty), EOS rate,
     distinct-2 (repetition inside a response), the score-length correlation (a reward-hacking sign);
     and per response (each rank's share of `rows`, gathered) what the policy contract judges."""
     exp, _, _ = trainer.rollout(prompts, update_moments=False)
