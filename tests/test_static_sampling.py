@@ -146,3 +146,23 @@ def test_graph_replayed_decode_equals_the_eager_loop_on_cuda(sampling, dtype):
     assert len(model.__dict__[static_sampling.SAMPLERS_ATTRIBUTE]) == 1
     if not sampling["do_sample"]:
         assert torch.equal(response(again), response(static))
+
+
+@pytest.mark.parametrize("from_position", [0, 7])
+def test_a_batch_padded_to_its_bucket_length_gives_the_same_hidden_states_and_gradients(from_position):
+    """On a GPU the fast path right-pads a batch to its bucket length (`bucketed`); the extra pads
+    change no hidden state and no gradient."""
+    model = llama()
+    ids = torch.randint(3, 97, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded prompt
+    mask[1, -3:] = 0  # an early EOS
+    hidden = {}
+    grads = {}
+    for bucketed in (False, True):
+        hidden[bucketed] = models.last_hidden_state(model.base_model, ids, mask, from_position, bucketed=bucketed)
+        grads[bucketed] = torch.autograd.grad(hidden[bucketed].square().sum(), list(model.base_model.parameters()))
+    assert hidden[True].shape == hidden[False].shape == (3, 11 - from_position, 48)
+    assert torch.allclose(hidden[True], hidden[False], atol=1e-5)
+    for with_pads, without in zip(grads[True], grads[False]):
+        assert torch.allclose(with_pads, without, atol=1e-5, rtol=1e-4)

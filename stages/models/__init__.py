@@ -19,9 +19,11 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from stages.models import llama, plain
 from stages.models.plain import CachedDecoder, position_ids
+from stages.models.shapes import bucket
 
 FAST_PATHS: dict[str, ModuleType] = {"llama": llama}  # config.model_type → its fast-path module
 FAST_PATH_ATTRIBUTE = "rlhf_fast_path"
@@ -61,13 +63,24 @@ def static_decoder_class(model, device: torch.device | str):
     return getattr(fast, "StaticDecoder", None)
 
 
+LENGTH_QUANTUM = 64  # a GPU batch's length pads to a power of two up to this, then to its multiples (`shapes.bucket`)
+
+
 def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      from_position: int = 0) -> torch.Tensor:
+                      from_position: int = 0, bucketed: bool | None = None) -> torch.Tensor:
     """[B, L − from_position, hidden] final hidden states of positions from_position … L − 1 of a
-    (left- and/or right-) padded batch, by the fast path where it applies."""
+    (left- and/or right-) padded batch, by the fast path where it applies. `bucketed` (None: on a
+    CUDA device) runs the fast path on the batch right-padded to a bucket length, so that token
+    batches of every length share a few shapes (attention's, the compiled kernels'); the pads are
+    masked keys past every real token and never reach a linear layer, so the hidden states are the
+    same."""
     fast = fast_path(base_model)
     if fast is not None and fast.forward_applies(base_model):
-        return fast.last_hidden_state(base_model, input_ids, attention_mask, from_position)
+        length = input_ids.shape[1]
+        if bucketed if bucketed is not None else input_ids.device.type == "cuda":
+            pads = bucket(length, quantum=LENGTH_QUANTUM) - length
+            input_ids, attention_mask = F.pad(input_ids, (0, pads)), F.pad(attention_mask, (0, pads))
+        return fast.last_hidden_state(base_model, input_ids, attention_mask, from_position)[:, : length - from_position]
     return plain.last_hidden_state(base_model, input_ids, attention_mask, from_position)
 
 
