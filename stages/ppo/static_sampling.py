@@ -88,9 +88,11 @@ class StaticSampler:
         self._record(self.decoder.step(self.token))
 
     def _state(self) -> list[torch.Tensor]:
-        """The buffers a step changes that a warm-up step must leave as they were (the KV cache's
-        written slot is written again by the real step before anything reads it)."""
-        state = [self.token, self.ended, self.column, self.decoder.positions, self.decoder.slot, self.decoder.bias]
+        """The buffers a step changes that a warm-up step must leave as they were: the outputs too,
+        whose columns past the last real step would count as alive (the KV cache's slots are
+        written again by the real steps before the bias lets anything read them)."""
+        state = [self.token, self.ended, self.column, self.decoder.positions, self.decoder.slot, self.decoder.bias,
+                 self.tokens, self.logprobs, self.model_logprobs, self.alive]
         return state + ([self.generated] if self.generated is not None else [])
 
     def _capture(self) -> None:
