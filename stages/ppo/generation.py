@@ -4,7 +4,9 @@ The log-probabilities come from the very logits the token was sampled from, so t
 needs no second forward pass of the actor (TRL reads them from `generate`'s scores the same way;
 we keep one number per token instead of the [B, R, vocab] scores). The loop stops as soon as every
 row has ended, and the LM head runs on one position per row and step, prompt included. The model
-steps come from `stages.models.decoder` (a model's fast path, or its own forward).
+steps come from `stages.models.decoder` (a model's fast path, or its own forward); on a CUDA device
+under `model.cuda_graphs: auto` the loop runs on static buffers with its step replayed as a CUDA
+graph instead (stages/ppo/static_sampling.py), sampling the same way.
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The repetition penalty reads the tokens generated so far, not the prompt's (paper
