@@ -10,7 +10,8 @@
 # On the device tool: carry [".whl", ".gpu-data"] and run `bash bench/gpu_check.sh $OUT`. It runs
 # from the repository root with the image's python3 (torch, transformers) and installs the carried
 # wheels (bench/gpu_wheels.txt) into /tmp/site. Steps: tests, roofline_demo, roofline_1b,
-# profile_reward, peer_trl, peer_trl_rm, pipeline.
+# profile_reward, peer_trl, peer_trl_rm, pipeline (the `gpu` preset shortened, its PPO under ZeRO-3:
+# the ~1B PPO iteration on partitioned weights, which the eager decoder samples from).
 set -u
 cd "$(dirname "$0")/.."
 TOTAL_S=${TOTAL_S:-540}
@@ -115,7 +116,8 @@ step peer_trl_rm 70 '(×|tokens/s|first)' \
     $PYTHON bench/peer_trl_rm.py --device cuda --precision bf16 --preset gpu --pairs 128 --turns 3
 step pipeline 160 '^\|' \
     $PYTHON bench/gpu_pipeline.py --preset gpu --set sft.max_steps=8 --set reward.max_steps=8 \
-    --set critic.max_steps=4 --set ppo.iterations=2 --set eval.ceval.max_questions_per_subject=1
+    --set critic.max_steps=4 --set ppo.iterations=2 --set ppo.launch.deepspeed=zero3 \
+    --set eval.ceval.max_questions_per_subject=1
 
 if [[ $DRY == 0 ]]; then
     echo >>"$RESULTS"
