@@ -32,11 +32,19 @@ def one_nccl_rank():
 
     from stages.launch import free_port
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank_environment = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port()))
+    before = {name: os.environ.get(name) for name in rank_environment}
+    os.environ.update(rank_environment)
     torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl")
     yield
     torch_dist.destroy_process_group()
+    for name, value in before.items():  # later tests' ranks (torchrun) must not inherit them
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def dist_for(zero: str | None):
