@@ -60,7 +60,8 @@ def main() -> None:
         peak = stage_metrics.get("stage/peak_gpu_memory_gib")
         planned = predicted.get(name)
         ratio = f"×{peak / (planned / plan.GiB):.2f}" if peak is not None and planned else "—"
-        lines.append(f"| {name} | {wall[name]:.1f} | {stage_metrics.get('stage/seconds', float('nan')):.1f} | "
+        seconds = stage_metrics.get("stage/seconds")  # logged by DeepSpeed ranks, not by in-process stages
+        lines.append(f"| {name} | {wall[name]:.1f} | {'—' if seconds is None else f'{seconds:.1f}'} | "
                      f"{'—' if peak is None else f'{peak:.2f}'} | "
                      f"{'—' if planned is None else f'{planned / plan.GiB:.2f}'} | {ratio} |")
     lines.append(f"| total | {sum(wall.values()):.1f} | | | | |")
