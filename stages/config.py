@@ -82,7 +82,16 @@ class ModelConfig(_Section):
                     "step) and it applies; off: every model's own transformers forward. ours: auto; the tests "
                     "hold both paths to the same numbers.")
 
-    @field_validator("fast_path", mode="before")
+    cuda_graphs: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: on a CUDA device the sampling loop's decode step (fast path) runs on static buffers and "
+                    "is replayed as a CUDA graph, captured once per (batch, prompt width) bucket, checking whether "
+                    "every row has ended every few tokens only (gpt-fast's static KV cache and "
+                    "captured step); on a CPU today's eager decoder, whose attention reads only the filled part "
+                    "of the cache: a static step reads every slot, and a CPU has no launch cost for a graph to "
+                    "save. off: the eager decoder everywhere. ours: auto.")
+
+    @field_validator("fast_path", "cuda_graphs", mode="before")
     @classmethod
     def _yaml_off_is_off(cls, value):
         """YAML 1.1 reads a bare `off` (in a preset or `--set model.fast_path=off`) as false."""

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,7 @@ def _rank_main(spec_path: str) -> None:
 
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
+    started = time.perf_counter()
     try:
         outputs = registry.get(spec["stage"]).load().run(cfg, tracker, spec["inputs"], dist)
     except StageInterrupted as err:
@@ -260,6 +262,12 @@ def _rank_main(spec_path: str) -> None:
         Path(spec["workdir"], f"error-rank{rank}.txt").write_text(f"{type(err).__name__}: {err}")
         raise
     if dist.is_main:
+        # The stage's wall time on its ranks and, on a GPU, rank 0's peak allocated memory: what
+        # `rlhf plan` predicts per device.
+        usage = {"stage/seconds": time.perf_counter() - started}
+        if on_gpu:
+            usage["stage/peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        tracker.log_metrics(usage, step=0)
         tracker.flush()  # metrics still buffered after an outage of the tracking server
         tmp = Path(spec["outputs"] + ".tmp")
         tmp.write_text(json.dumps(outputs))

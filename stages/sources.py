@@ -373,9 +373,10 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
-    from stages.models import set_fast_path
+    from stages.models import set_cuda_graphs, set_fast_path
 
     set_fast_path(model, cfg.fast_path)
+    set_cuda_graphs(model, cfg.cuda_graphs)
     return model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stages import tracking
 from stages.config import load_config
@@ -35,6 +36,8 @@ def test_sft_on_two_deepspeed_ranks(splits_outputs):
     assert run.data.metrics["sft/perplexity_after"] < run.data.metrics["sft/perplexity_before"]
     assert outputs["sft_model"].startswith("models:/rlhf-tiny-sft/")
     assert run.data.params["sft.engine"] == "DeepSpeedEngine" and run.data.params["sft.zero_stage"] == "2"
+    assert run.data.metrics["stage/seconds"] > 0  # rank 0's wall time, and on a GPU its peak memory
+    assert ("stage/peak_gpu_memory_gib" in run.data.metrics) == torch.cuda.is_available()
 
 
 def test_a_failing_rank_fails_the_stage_with_its_log(splits_outputs):

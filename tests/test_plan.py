@@ -305,3 +305,20 @@ def test_run_refuses_a_config_that_does_not_fit_before_any_mlflow_run_and_ignore
     assert main([*args, "--ignore-plan"]) == 0, capsys.readouterr().err[-3000:]
     found = tracking.client().get_experiment_by_name(experiment)
     assert found is not None and tracking.client().search_runs([found.experiment_id])
+
+
+def test_the_gpu_preset_trains_a_1b_llama_under_deepspeed_and_its_plan_fits_an_80_gib_gpu(capsys):
+    """The `gpu` preset loads, every training stage runs as a DeepSpeed rank, and `rlhf plan` predicts
+    each one's peak GPU memory for an H100 (no run: the prediction is what a GPU run compares with)."""
+    from flows.cli import main
+
+    cfg = load_config("gpu")
+    assert all(getattr(cfg, stage).launch.deepspeed for stage in plan.TRAINING_STAGES)
+    predicted = plan.plan(cfg, device="cuda", memory_gib=80)
+    assert (predicted.arch.hidden_size, predicted.arch.num_hidden_layers) == (2048, 16)
+    assert [sp.stage for sp in predicted.stages] == list(plan.TRAINING_STAGES)
+    assert all(sp.device == "cuda" and sp.sharding.zero == 2 for sp in predicted.stages)
+    assert predicted.check().fits, predicted.table()
+    assert main(["plan", "--preset", "gpu", "--device", "cuda", "--device-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "989.9 M parameters" in out and "ppo — cuda, bf16, ZeRO-2 × 1" in out

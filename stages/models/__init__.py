@@ -8,7 +8,10 @@ A model built elsewhere (tests, benches) takes `auto` unless `set_fast_path` say
 Adding a model's fast path: one module beside `llama.py` with `forward_applies(base_model)`,
 `last_hidden_state(base_model, input_ids, attention_mask, from_position)`,
 `decoder_applies(model)` and a decoder class (`prefill()`, `step(token)`), one entry in
-`FAST_PATHS`, and an equality test against the plain path (tests/test_ppo_fast_paths.py).
+`FAST_PATHS`, and an equality test against the plain path (tests/test_ppo_fast_paths.py). A
+`StaticDecoder` class beside it (fixed shapes, state in tensors: `llama.StaticDecoder`) lets the
+sampling loop replay its decode step as a CUDA graph (`model.cuda_graphs`, recorded by
+`set_cuda_graphs`; stages/ppo/static_sampling.py).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from stages.models import llama, plain
 from stages.models.plain import CachedDecoder, position_ids
+from stages.models.shapes import bucket
 
 FAST_PATHS: dict[str, ModuleType] = {"llama": llama}  # config.model_type → its fast-path module
 FAST_PATH_ATTRIBUTE = "rlhf_fast_path"
+CUDA_GRAPHS_ATTRIBUTE = "rlhf_cuda_graphs"
 
 
 def set_fast_path(model, setting: str) -> None:
@@ -38,13 +44,43 @@ def fast_path(base_model) -> ModuleType | None:
     return FAST_PATHS.get(base_model.config.model_type)
 
 
+def set_cuda_graphs(model, setting: str) -> None:
+    """Record `model.cuda_graphs` on a loaded model (its base model carries it)."""
+    if setting not in ("auto", "off"):
+        raise ValueError(f"model.cuda_graphs={setting!r}: expected auto or off")
+    setattr(model.base_model, CUDA_GRAPHS_ATTRIBUTE, setting)
+
+
+def static_decoder_class(model, device: torch.device | str):
+    """The architecture's `StaticDecoder` where the sampling loop replays its step as a CUDA graph:
+    `model.cuda_graphs: auto` (the default for a model built elsewhere), a CUDA device, a fast path
+    with a static decoder that applies to this model; else None (the eager decoder)."""
+    if getattr(model.base_model, CUDA_GRAPHS_ATTRIBUTE, "auto") == "off" or torch.device(device).type != "cuda":
+        return None
+    fast = fast_path(model.base_model)
+    if fast is None or not fast.decoder_applies(model):
+        return None
+    return getattr(fast, "StaticDecoder", None)
+
+
+LENGTH_QUANTUM = 64  # a GPU batch's length pads to a power of two up to this, then to its multiples (`shapes.bucket`)
+
+
 def last_hidden_state(base_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      from_position: int = 0) -> torch.Tensor:
+                      from_position: int = 0, bucketed: bool | None = None) -> torch.Tensor:
     """[B, L − from_position, hidden] final hidden states of positions from_position … L − 1 of a
-    (left- and/or right-) padded batch, by the fast path where it applies."""
+    (left- and/or right-) padded batch, by the fast path where it applies. `bucketed` (None: on a
+    CUDA device) runs the fast path on the batch right-padded to a bucket length, so that token
+    batches of every length share a few shapes (attention's, the compiled kernels'); the pads are
+    masked keys past every real token and never reach a linear layer, so the hidden states are the
+    same."""
     fast = fast_path(base_model)
     if fast is not None and fast.forward_applies(base_model):
-        return fast.last_hidden_state(base_model, input_ids, attention_mask, from_position)
+        length = input_ids.shape[1]
+        if bucketed if bucketed is not None else input_ids.device.type == "cuda":
+            pads = bucket(length, quantum=LENGTH_QUANTUM) - length
+            input_ids, attention_mask = F.pad(input_ids, (0, pads)), F.pad(attention_mask, (0, pads))
+        return fast.last_hidden_state(base_model, input_ids, attention_mask, from_position)[:, : length - from_position]
     return plain.last_hidden_state(base_model, input_ids, attention_mask, from_position)
 
 
@@ -58,4 +94,4 @@ def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_
 
 
 __all__ = ["FAST_PATHS", "CachedDecoder", "decoder", "fast_path", "last_hidden_state", "position_ids",
-           "set_fast_path"]
+           "set_cuda_graphs", "set_fast_path", "static_decoder_class"]

@@ -197,30 +197,34 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 class Decoder:
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int):
-        self.base, self.prompt_ids, self.prompt_mask = model.base_model, prompt_ids, prompt_mask
+        self._allocate(model, *prompt_ids.shape, max_new_tokens)
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        # Additive attention bias over cache slots: −inf on the prompts' left padding.
+        self.bias[:, 0, 0, : self.width].masked_fill_(prompt_mask == 0, -torch.inf)
+        self.positions = position_ids(prompt_mask)[:, -1:]
+        self.filled = self.width
+
+    def _allocate(self, model, batch: int, width: int, max_new_tokens: int, packed: bool = True) -> None:
+        self.base, self.width = model.base_model, width
         config = self.base.config
-        batch, width = prompt_ids.shape
         layers = self.base.layers[: config.num_hidden_layers]
-        self.layers = [DecodeLayer(layer, config, batch) for layer in layers]
-        self.lm_head = PackedLinear([model.get_output_embeddings()], batch)
+        packed_batch = batch if packed else None
+        self.layers = [DecodeLayer(layer, config, packed_batch) for layer in layers]
+        self.lm_head = PackedLinear([model.get_output_embeddings()], packed_batch)
         weight = self.lm_head.weight
         shape = (len(layers), batch, config.num_key_value_heads, width + max_new_tokens, layers[0].self_attn.head_dim)
         self.keys = weight.new_zeros(shape)
         self.values = weight.new_zeros(shape)
-        # Additive attention bias over cache slots: −inf on the prompts' left padding.
         self.bias = weight.new_zeros((batch, 1, 1, shape[3]))
-        self.bias[:, 0, 0, :width].masked_fill_(prompt_mask == 0, -torch.inf)
-        self.positions = position_ids(prompt_mask)[:, -1:]
-        self.filled = width
 
     def prefill(self) -> torch.Tensor:
         """The logits after each prompt."""
         keys_values: list = []
         hidden = last_hidden_state(self.base, self.prompt_ids, self.prompt_mask, keys_values=keys_values,
-                                   from_position=self.filled - 1)[:, -1]  # left-padded prompts all end at P − 1
+                                   from_position=self.width - 1)[:, -1]  # left-padded prompts all end at P − 1
         for layer, (k, v) in enumerate(keys_values):
-            self.keys[layer, :, :, : self.filled] = k
-            self.values[layer, :, :, : self.filled] = v
+            self.keys[layer, :, :, : self.width] = k
+            self.values[layer, :, :, : self.width] = v
         return self.lm_head(hidden)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -234,10 +238,51 @@ class Decoder:
         return self.lm_head(rms_norm(self.base.norm, x))
 
 
-class DecodeLayer:
-    """One decoder layer for one new token per row, writing its keys and values into cache slot `slot`."""
+class StaticDecoder(Decoder):
+    """`Decoder` whose step has fixed shapes and keeps its state in tensors, so that a CUDA graph
+    can replay it (stages/ppo/static_sampling.py): the cache slot and the positions are tensors
+    updated in place, and attention reads every slot of the cache, the slots not yet written
+    masked by the bias. Every step then runs the same kernels on the same buffers. Allocated once
+    for a (batch, prompt width, new tokens) shape; `start` loads the next prompts of that shape,
+    `refresh` the actor's weights after a training step."""
 
-    def __init__(self, layer, config, batch: int):
+    def __init__(self, model, batch: int, width: int, max_new_tokens: int):
+        self._allocate(model, batch, width, max_new_tokens, packed=False)  # plain weights: `refresh` copies into them
+        self.positions = self.bias.new_zeros((batch, 1), dtype=torch.long)
+        self.slot = self.bias.new_zeros(1, dtype=torch.long)
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Load prompts [batch, width] and give the logits after each (the prefill, eager)."""
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        self.bias.fill_(-torch.inf)
+        self.bias[:, 0, 0, : self.width].masked_fill_(prompt_mask != 0, 0.0)
+        self.positions.copy_(position_ids(prompt_mask)[:, -1:])
+        self.slot.fill_(self.width)
+        return self.prefill()
+
+    def refresh(self) -> None:
+        """Copy the actor's current weights into the stacked copies, in place (the graph reads their
+        addresses)."""
+        for linear in [self.lm_head, *(p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))]:
+            linear.refresh()
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        x = self.base.embed_tokens(token)  # [B, hidden]
+        self.positions.add_(1)
+        cos, sin = signed(*self.base.rotary_emb(x, position_ids=self.positions))  # [B, 1, head_dim]
+        self.bias.index_fill_(-1, self.slot, 0.0)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.keys[index], self.values[index], self.slot, self.bias)
+        self.slot.add_(1)
+        return self.lm_head(rms_norm(self.base.norm, x))
+
+
+class DecodeLayer:
+    """One decoder layer for one new token per row, writing its keys and values into cache slot `slot`:
+    an int (attention reads slots up to it), or a one-element tensor (`StaticDecoder`: attention
+    reads the whole cache, the bias masking the slots not yet written)."""
+
+    def __init__(self, layer, config, batch: int | None):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], batch)
         self.o = PackedLinear([attn.o_proj], batch)
@@ -247,18 +292,23 @@ class DecodeLayer:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
         self.scaling = attn.scaling
 
-    def __call__(self, x, cos, sin, keys, values, slot: int, bias):
+    def __call__(self, x, cos, sin, keys, values, slot: int | torch.Tensor, bias):
         batch, heads, kv_heads, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qk, v = self.qkv(rms_norm(self.attention_norm, x)).split([(heads + kv_heads) * d, kv_heads * d], dim=-1)
         qk = qk.view(batch, heads + kv_heads, d)
         qk = rotate(qk, cos, sin)  # RoPE on queries and keys at once (cos, sin: [B, 1, d])
         q, k = qk.split([heads, kv_heads], dim=1)
-        keys[:, :, slot] = k
-        values[:, :, slot] = v.view(batch, kv_heads, d)
+        if isinstance(slot, int):
+            keys[:, :, slot] = k
+            values[:, :, slot] = v.view(batch, kv_heads, d)
+            keys, values = keys[:, :, : slot + 1], values[:, :, : slot + 1]
+        else:
+            keys.index_copy_(2, slot, k[:, :, None])
+            values.index_copy_(2, slot, v.view(batch, kv_heads, 1, d))
         # Grouped-query attention: query heads g·j … g·j + g − 1 share key/value head j.
         q = q.view(batch, kv_heads, heads // kv_heads, d)
-        scores = (q @ keys[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [B, kv_heads, g, T]
-        out = scores.softmax(dim=-1) @ values[:, :, : slot + 1]
+        scores = (q @ keys.transpose(-1, -2)).mul_(self.scaling).add_(bias)  # [B, kv_heads, g, T]
+        out = scores.softmax(dim=-1) @ values
         x = x + self.o(out.reshape(batch, heads * d))
         gate, up = self.gate_up(rms_norm(self.mlp_norm, x)).chunk(2, dim=-1)
         return x + self.down(self.act(gate) * up)
@@ -269,16 +319,27 @@ class PackedLinear:
     weight is packed once for that batch size, which a small batch then reads faster than the plain
     product does (which re-lays the weight out at every call): bf16 weights in oneDNN's blocked
     layout (the same numbers), fp32 weights for MKL's packed GEMM where that pays
-    (`mkl_packing_pays`). Elsewhere, the plain product. bench/packed_linear.py times each."""
+    (`mkl_packing_pays`). Elsewhere, or with no batch size given, the plain product.
+    bench/packed_linear.py times each."""
 
-    def __init__(self, linears: list, batch: int):
+    def __init__(self, linears: list, batch: int | None):
+        self.linears = linears
         weights = [linear.weight.detach() for linear in linears]
         self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         biases = [linear.bias for linear in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
         self.batch = batch
-        self.packed = pack(self.weight, batch)
+        self.packed = None if batch is None else pack(self.weight, batch)
+
+    def refresh(self) -> None:
+        """The layers' current weights into this one's, in place (plain weights: a packed copy is laid
+        out for its batch size when made)."""
+        if len(self.linears) > 1:
+            torch.cat([linear.weight.detach() for linear in self.linears], out=self.weight)
+        if self.bias is not None:
+            torch.cat([b.detach() if b is not None else linear.weight.new_zeros(linear.weight.shape[0])
+                       for b, linear in zip((linear.bias for linear in self.linears), self.linears)], out=self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -4,7 +4,9 @@ The log-probabilities come from the very logits the token was sampled from, so t
 needs no second forward pass of the actor (TRL reads them from `generate`'s scores the same way;
 we keep one number per token instead of the [B, R, vocab] scores). The loop stops as soon as every
 row has ended, and the LM head runs on one position per row and step, prompt included. The model
-steps come from `stages.models.decoder` (a model's fast path, or its own forward).
+steps come from `stages.models.decoder` (a model's fast path, or its own forward); on a CUDA device
+under `model.cuda_graphs: auto` the loop runs on static buffers with its step replayed as a CUDA
+graph instead (stages/ppo/static_sampling.py), sampling the same way.
 
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The repetition penalty reads the tokens generated so far, not the prompt's (paper
@@ -21,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from stages.models import decoder
+from stages.models import decoder, static_decoder_class
 from stages.logprobs import token_logprobs
 
 
@@ -36,8 +38,10 @@ class Rollout:
     model_logprobs: torch.Tensor  # [B, R] the same at T = 1, the model's own (its perplexity); `logprobs` when T = 1
 
 
-def left_pad(prompts: list[list[int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, device: str,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, width] ids and mask, each prompt at the right end; width: the longest prompt's, or wider."""
+    width = max(len(p) for p in prompts) if width is None else width
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, prompt in enumerate(prompts):
@@ -73,10 +77,19 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor | None, *, tempera
 
 def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, repetition_penalty: float, do_sample: bool = True, device: str = "cpu") -> Rollout:
+    from stages.ppo import static_sampling  # it builds on this module's sampling
+
+    settings = dict(eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    top_k=top_k, repetition_penalty=repetition_penalty, do_sample=do_sample, device=device)
+    static = static_decoder_class(actor, device)
+    was_training = actor.training
+    actor.eval()
     with torch.inference_mode():  # no autograd bookkeeping at all: a decode step is thousands of small operations
-        rollout = _sample(actor, prompts, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
-                          do_sample=do_sample, device=device)
+        if static is not None:  # `model.cuda_graphs`: the step replayed as a CUDA graph
+            rollout = static_sampling.sample(static, actor, prompts, graph=True, **settings)
+        else:
+            rollout = _sample(actor, prompts, **settings)
+    actor.train(was_training)
     # Tensors made in inference mode cannot be saved for a backward (the training step gathers at
     # the sampled tokens): ordinary copies.
     return replace(rollout, **{name: value.clone() for name, value in vars(rollout).items()
@@ -87,8 +100,6 @@ def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_ne
             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool, device: str) -> Rollout:
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
     batch = prompt_ids.shape[0]
-    was_training = actor.training
-    actor.eval()
     steps = max(max_new_tokens, 1)
     model = decoder(actor, prompt_ids, prompt_mask, steps)
     logits = model.prefill()
@@ -115,7 +126,6 @@ def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_ne
             rows = alive[-1]  # the rows that drew a token this step
             generated[rows, token[rows]] = True
         logits = model.step(token)
-    actor.train(was_training)
     response_mask = torch.stack(alive, dim=1)
     response = torch.stack(tokens, dim=1)
     logprobs = torch.stack(logprobs, dim=1) * response_mask
