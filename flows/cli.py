@@ -183,6 +183,25 @@ def _check_runs_exist(args: argparse.Namespace) -> None:
                               f"(`rlhf runs` lists the pipeline runs)") from None
 
 
+def _recorded_failure(cfg, resume: str | None, state) -> str | None:
+    """How the pipeline run of this `rlhf run` failed, as its flow recorded it in MLflow (its
+    description: the stage, the reason, the fix); None where no stage's failure was recorded."""
+    from stages import tracking
+
+    if resume:
+        run = tracking.client().get_run(resume)
+    elif state is not None:
+        try:
+            run = tracking.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
+        except LookupError:
+            return None
+    else:
+        return None
+    if run.info.status != "FAILED" or tracking.FAILED_STAGE_TAG not in run.data.tags:
+        return None
+    return "\n".join(run.data.tags[tracking.DESCRIPTION_TAG].split("\n\n"))
+
+
 def _up(args: argparse.Namespace) -> int:
     try:
         state = services.up(args.preset, args.host, args.prefect_port, args.mlflow_port, args.artifacts, args.timeout)
@@ -608,12 +627,16 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefect.exceptions import CancelledRun
 
+        state = None
         try:
-            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)), _stop_on_signals():
+            # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
+            # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
+            with _quiet_expected_errors((Exception,)), _stop_on_signals():
                 _open_stores()
                 _check_runs_exist(args)
-                run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
-                              resume=args.resume, force=args.force)
+                state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
+                             resume=args.resume, force=args.force, return_state=True)
+                run_id = state.result()
         except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
             print(f"rlhf: {err}", file=sys.stderr)
             return 130
@@ -624,9 +647,18 @@ def main(argv: list[str] | None = None) -> int:
         except tracking.TrackingUnavailable as err:
             print(f"rlhf: {err}", file=sys.stderr)
             return 1
+        except Exception as err:
+            failure = None if isinstance(err, (ConfigError, DataError)) else _recorded_failure(cfg, args.resume, state)
+            if failure is None:
+                raise
+            # The run is over: Prefect's note that its temporary API server stops (at exit) would
+            # otherwise follow the failure's last line.
+            logging.getLogger("prefect").setLevel(logging.WARNING)
+            print(failure, file=sys.stderr)
+            return 1
         from stages import runs
 
-        print(f"\n{runs.ending(run_id)[0]}\n\nMLflow store: {tracking.tracking_uri()}\n"
+        print(f"\n{runs.ending(run_id).text}\n\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
         return 0
     except (ConfigError, DataError, allocator.AllocatorError) as err:
