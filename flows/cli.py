@@ -344,6 +344,93 @@ def _explain(cfg, preset: str, overrides: list[str]) -> str:
     return "\n".join(lines)
 
 
+REFERENCE_COMMAND = "rlhf config --explain --markdown > docs/config.md"
+
+
+def _type_name(annotation) -> str:
+    """A field's type as a reader writes it: `int | None`, `'stop' | 'warn'`, `list[str]`, a
+    section's class name."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    if annotation is typing.Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _sections_in(annotation) -> list:
+    """The config sections (pydantic models) a field holds: itself one, or the items of a list of them."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [found for arg in typing.get_args(annotation) for found in _sections_in(arg)]
+
+
+def _markdown_section(model: type, path: str, heading: str, description: str, depth: int) -> list[str]:
+    """A config section as markdown: its heading and description, a table of its own fields (name,
+    type, default, description), then each nested section at the next heading level."""
+    from pydantic import BaseModel
+    from pydantic_core import to_jsonable_python
+
+    def cell(text: str) -> str:
+        """Text in a table cell: pipes escaped, and outside code spans `<` and `*`, which markdown
+        would read as an HTML tag (`<prefix>`) or emphasis."""
+        parts = text.replace("|", "\\|").replace("\n", " ").split("`")
+        return "`".join(part if k % 2 else part.replace("<", "&lt;").replace("*", "\\*") for k, part in enumerate(parts))
+
+    lines = [f"{'#' * depth} {heading}", ""]
+    if description:
+        lines += [description, ""]
+    rows, nested = [], []
+    for name, field in model.model_fields.items():
+        dotted = f"{path}{name}"
+        about = " ".join((field.description or "").split())
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            nested.append((field.annotation, f"{dotted}.", dotted, about))
+            continue
+        default = "(required)" if field.is_required() else \
+            "`" + _short(to_jsonable_python(field.get_default(call_default_factory=True))).replace("|", "\\|") + "`"
+        rows.append(f"| `{dotted}` | {cell(_type_name(field.annotation))} | {default} | {cell(about)} |")
+        for item in _sections_in(field.annotation):  # a list of sections (eval.judges): each kind's fields
+            kind = item.model_fields.get("kind")
+            title = f"{dotted}[] with kind: {kind.default}" if kind is not None else f"{dotted}[]"
+            nested.append((item, f"{dotted}[].", title, " ".join((item.__doc__ or "").split())))
+    if rows:
+        lines += ["| field | type | default | description |", "|---|---|---|---|", *rows, ""]
+    for section, prefix, title, about in nested:
+        lines += _markdown_section(section, prefix, title, about, min(depth + 1, 4))
+    return lines
+
+
+def config_reference() -> str:
+    """`rlhf config --explain --markdown`: every field of the config with its type, its typed
+    default and its description (which names its source), one section per stage config; the
+    page docs/config.md."""
+    from stages.config import PipelineConfig
+
+    intro = " ".join([
+        f"Generated from the fields of `stages/config.py` by `{REFERENCE_COMMAND}`: edit the",
+        "`Field(description=…)` there, not this page. A preset (`infra/presets`) or `--set section.field=value`",
+        "changes a value; `rlhf config --explain --preset NAME` prints a preset's values and what changed them.",
+        "The defaults are the typed defaults (the paper's, where it gives one): the top-level fields first, then",
+        "one section per stage and shared setting."])
+    return "\n".join(_markdown_section(PipelineConfig, "", "Configuration reference", intro, 1)).rstrip() + "\n"
+
+
 def _precision_line(cfg) -> str:
     """What model.precision resolves to on this machine (a YAML comment)."""
     import torch
@@ -559,12 +646,21 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--explain", action="store_true",
                       help="one line per field: value, the default where the preset or --set changed it, and the "
                            "description with the value's source (paper section, MOSS/TRL value or our reason)")
+    show.add_argument("--markdown", action="store_true",
+                      help=f"with --explain: the reference of every field (type, typed default, description) as "
+                           f"markdown, whatever the preset: `{REFERENCE_COMMAND}`")
 
     args = parser.parse_args(argv)
     from stages.config import ConfigError, load_config
     from stages.sources import DataError
 
     try:
+        if args.command == "config" and args.markdown:
+            if not args.explain or args.preset or args.overrides:
+                raise ConfigError(f"--markdown: the reference of the typed defaults; give it with --explain and "
+                                  f"without --preset/--set ({REFERENCE_COMMAND})")
+            sys.stdout.write(config_reference())
+            return 0
         if args.command == "config":
             args.preset = args.preset or "demo"
             cfg = load_config(args.preset, args.overrides)
