@@ -238,8 +238,11 @@ def rlhf(
     except BaseException as err:
         if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
             if isinstance(err, Exception):
-                pipeline.record_failure(name, "\n\n".join(failure_lines(pipeline.run_id, name, err)),
-                                        "".join(traceback.format_exception(err)))
+                try:
+                    pipeline.record_failure(name, "\n\n".join(failure_lines(pipeline.run_id, name, err)),
+                                            "".join(traceback.format_exception(err)))
+                except Exception as unrecorded:  # the stage's own error is what the run ends with
+                    print(f"WARNING: the failure of stage {name} is not in MLflow ({unrecorded})")
             pipeline.finish("FAILED")
         raise
     ending = runs.ending(pipeline.run_id)
