@@ -102,8 +102,6 @@ def _broken_copy(folder: str, target: Path, broken: str) -> Path:
 def test_a_failed_stage_ends_in_its_reason_and_fix_which_are_the_runs_description(tiny, tmp_path, broken, reason, fix):
     """A stage that fails: the command ends with the stage, the one-line reason and the fix (no
     traceback); the same lines are the pipeline run's MLflow description, the traceback its artifact."""
-    import mlflow
-
     folder = _broken_copy(tiny[0], tmp_path / "model", broken)
     out = _rlhf("run", "--preset", "tiny", "--set", f"model.name_or_path={folder}", timeout=900)
     assert out.returncode == 1, out.stderr[-3000:]
@@ -117,5 +115,5 @@ def test_a_failed_stage_ends_in_its_reason_and_fix_which_are_the_runs_descriptio
     run = tracking.client().get_run(run_id)
     assert run.info.status == "FAILED" and run.data.tags[tracking.FAILED_STAGE_TAG] == "sft"
     assert run.data.tags["mlflow.note.content"].split("\n\n") == ending
-    traceback_text = mlflow.artifacts.load_text(f"runs:/{run_id}/logs/traceback.txt")
+    traceback_text = Path(tracking.client().download_artifacts(run_id, "logs/traceback.txt", str(tmp_path))).read_text()
     assert traceback_text.startswith("Traceback (most recent call last):") and "ModelError: " in traceback_text
