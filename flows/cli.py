@@ -41,8 +41,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _quiet_expected_errors(kinds: tuple[type[BaseException], ...]):
     """Prefect logs a failing task's or flow's exception with its traceback. For bad data and
-    failed contracts the one-line message is the whole story: drop the traceback from those log
-    records (other errors keep theirs)."""
+    failed contracts the one-line message is the whole story: drop the traceback from the log
+    records of the errors in `kinds`, and cut short those that name one (the caller says the rest)."""
 
     class Strip(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     from stages.config import ConfigError, load_config
-    from stages.sources import DataError
+    from stages.sources import DataError, ModelError
 
     try:
         if args.command == "config" and args.markdown:
@@ -727,7 +727,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
             # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
-            with _quiet_expected_errors((Exception,)), _stop_on_signals():
+            # The errors named are the expected ones, whose log lines are cut short too.
+            expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable)
+            with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
                 _open_stores()
                 _check_runs_exist(args)
                 state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
