@@ -41,8 +41,8 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _quiet_expected_errors(kinds: tuple[type[BaseException], ...]):
     """Prefect logs a failing task's or flow's exception with its traceback. For bad data and
-    failed contracts the one-line message is the whole story: drop the traceback from those log
-    records (other errors keep theirs)."""
+    failed contracts the one-line message is the whole story: drop the traceback from the log
+    records of the errors in `kinds`, and cut short those that name one (the caller says the rest)."""
 
     class Strip(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -181,6 +181,25 @@ def _check_runs_exist(args: argparse.Namespace) -> None:
         except MlflowException:
             raise ConfigError(f"{flag} {run_id}: no such run in the MLflow store {tracking.tracking_uri()} "
                               f"(`rlhf runs` lists the pipeline runs)") from None
+
+
+def _recorded_failure(cfg, resume: str | None, state) -> str | None:
+    """How the pipeline run of this `rlhf run` failed, as its flow recorded it in MLflow (its
+    description: the stage, the reason, the fix); None where no stage's failure was recorded."""
+    from stages import tracking
+
+    if resume:
+        run = tracking.client().get_run(resume)
+    elif state is not None:
+        try:
+            run = tracking.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
+        except LookupError:
+            return None
+    else:
+        return None
+    if run.info.status != "FAILED" or tracking.FAILED_STAGE_TAG not in run.data.tags:
+        return None
+    return "\n".join(run.data.tags[tracking.DESCRIPTION_TAG].split("\n\n"))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -323,6 +342,93 @@ def _explain(cfg, preset: str, overrides: list[str]) -> str:
         else:
             lines.append(f"{lefts[f.name]:<{width}}  # {f.description}".rstrip())
     return "\n".join(lines)
+
+
+REFERENCE_COMMAND = "rlhf config --explain --markdown > docs/config.md"
+
+
+def _type_name(annotation) -> str:
+    """A field's type as a reader writes it: `int | None`, `'stop' | 'warn'`, `list[str]`, a
+    section's class name."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    if annotation is typing.Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _sections_in(annotation) -> list:
+    """The config sections (pydantic models) a field holds: itself one, or the items of a list of them."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [found for arg in typing.get_args(annotation) for found in _sections_in(arg)]
+
+
+def _markdown_section(model: type, path: str, heading: str, description: str, depth: int) -> list[str]:
+    """A config section as markdown: its heading and description, a table of its own fields (name,
+    type, default, description), then each nested section at the next heading level."""
+    from pydantic import BaseModel
+    from pydantic_core import to_jsonable_python
+
+    def cell(text: str) -> str:
+        """Text in a table cell: pipes escaped, and outside code spans `<` and `*`, which markdown
+        would read as an HTML tag (`<prefix>`) or emphasis."""
+        parts = text.replace("|", "\\|").replace("\n", " ").split("`")
+        return "`".join(part if k % 2 else part.replace("<", "&lt;").replace("*", "\\*") for k, part in enumerate(parts))
+
+    lines = [f"{'#' * depth} {heading}", ""]
+    if description:
+        lines += [description, ""]
+    rows, nested = [], []
+    for name, field in model.model_fields.items():
+        dotted = f"{path}{name}"
+        about = " ".join((field.description or "").split())
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            nested.append((field.annotation, f"{dotted}.", dotted, about))
+            continue
+        default = "(required)" if field.is_required() else \
+            "`" + _short(to_jsonable_python(field.get_default(call_default_factory=True))).replace("|", "\\|") + "`"
+        rows.append(f"| `{dotted}` | {cell(_type_name(field.annotation))} | {default} | {cell(about)} |")
+        for item in _sections_in(field.annotation):  # a list of sections (eval.judges): each kind's fields
+            kind = item.model_fields.get("kind")
+            title = f"{dotted}[] with kind: {kind.default}" if kind is not None else f"{dotted}[]"
+            nested.append((item, f"{dotted}[].", title, " ".join((item.__doc__ or "").split())))
+    if rows:
+        lines += ["| field | type | default | description |", "|---|---|---|---|", *rows, ""]
+    for section, prefix, title, about in nested:
+        lines += _markdown_section(section, prefix, title, about, min(depth + 1, 4))
+    return lines
+
+
+def config_reference() -> str:
+    """`rlhf config --explain --markdown`: every field of the config with its type, its typed
+    default and its description (which names its source), one section per stage config; the
+    page docs/config.md."""
+    from stages.config import PipelineConfig
+
+    intro = " ".join([
+        f"Generated from the fields of `stages/config.py` by `{REFERENCE_COMMAND}`: edit the",
+        "`Field(description=…)` there, not this page. A preset (`infra/presets`) or `--set section.field=value`",
+        "changes a value; `rlhf config --explain --preset NAME` prints a preset's values and what changed them.",
+        "The defaults are the typed defaults (the paper's, where it gives one): the top-level fields first, then",
+        "one section per stage and shared setting."])
+    return "\n".join(_markdown_section(PipelineConfig, "", "Configuration reference", intro, 1)).rstrip() + "\n"
 
 
 def _precision_line(cfg) -> str:
@@ -540,12 +646,21 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--explain", action="store_true",
                       help="one line per field: value, the default where the preset or --set changed it, and the "
                            "description with the value's source (paper section, MOSS/TRL value or our reason)")
+    show.add_argument("--markdown", action="store_true",
+                      help=f"with --explain: the reference of every field (type, typed default, description) as "
+                           f"markdown, whatever the preset: `{REFERENCE_COMMAND}`")
 
     args = parser.parse_args(argv)
     from stages.config import ConfigError, load_config
-    from stages.sources import DataError
+    from stages.sources import DataError, ModelError
 
     try:
+        if args.command == "config" and args.markdown:
+            if not args.explain or args.preset or args.overrides:
+                raise ConfigError(f"--markdown: the reference of the typed defaults; give it with --explain and "
+                                  f"without --preset/--set ({REFERENCE_COMMAND})")
+            sys.stdout.write(config_reference())
+            return 0
         if args.command == "config":
             args.preset = args.preset or "demo"
             cfg = load_config(args.preset, args.overrides)
@@ -608,12 +723,18 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefect.exceptions import CancelledRun
 
+        state = None
         try:
-            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)), _stop_on_signals():
+            # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
+            # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
+            # The errors named are the expected ones, whose log lines are cut short too.
+            expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable)
+            with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
                 _open_stores()
                 _check_runs_exist(args)
-                run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
-                              resume=args.resume, force=args.force)
+                state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
+                             resume=args.resume, force=args.force, return_state=True)
+                run_id = state.result()
         except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
             print(f"rlhf: {err}", file=sys.stderr)
             return 130
@@ -624,9 +745,18 @@ def main(argv: list[str] | None = None) -> int:
         except tracking.TrackingUnavailable as err:
             print(f"rlhf: {err}", file=sys.stderr)
             return 1
+        except Exception as err:
+            failure = None if isinstance(err, (ConfigError, DataError)) else _recorded_failure(cfg, args.resume, state)
+            if failure is None:
+                raise
+            # The run is over: Prefect's note that its temporary API server stops (at exit) would
+            # otherwise follow the failure's last line.
+            logging.getLogger("prefect").setLevel(logging.WARNING)
+            print(failure, file=sys.stderr)
+            return 1
         from stages import runs
 
-        print(f"\n{runs.ending(run_id)[0]}\n\nMLflow store: {tracking.tracking_uri()}\n"
+        print(f"\n{runs.ending(run_id).text}\n\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
         return 0
     except (ConfigError, DataError, allocator.AllocatorError) as err:

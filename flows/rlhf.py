@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,19 @@ def run_on_deployment(name: str, deployment: str, parameters: dict[str, Any], cf
     return tracking.stage_outputs(stage_run_id)
 
 
+def failure_lines(pipeline_run_id: str, stage: str, err: Exception) -> list[str]:
+    """How a pipeline run that failed in `stage` ends: where the full traceback is, the stage and
+    the one-line reason, and the fix: the error's own `fix` where it has one, else to read the
+    traceback and resume. `rlhf run` prints these lines; they are the run's MLflow description."""
+    first_line = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    fix = getattr(err, "fix", None)
+    reason = first_line if fix and first_line else f"{type(err).__name__}: {first_line}".rstrip(": ")
+    fix = fix or (f"read the traceback, remove its cause, then continue the run: "
+                  f"{services.command('rlhf')} run --resume {pipeline_run_id}")
+    return [f"Pipeline run {pipeline_run_id} failed (full traceback in MLflow: run {pipeline_run_id}, artifact "
+            f"{tracking.TRACEBACK_ARTIFACT})", f"Stage {stage} failed: {reason}", f"Fix: {fix}"]
+
+
 def _summary(cfg: PipelineConfig, pipeline_run_id: str, outputs: dict[str, Any]) -> str:
     rows = "\n".join(f"| {name} | `{value}` |" for name, value in outputs.items())
     return (
@@ -223,13 +237,20 @@ def rlhf(
         return Cancelled(message=message)
     except BaseException as err:
         if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
+            if isinstance(err, Exception):
+                try:
+                    pipeline.record_failure(name, "\n\n".join(failure_lines(pipeline.run_id, name, err)),
+                                            "".join(traceback.format_exception(err)))
+                except Exception as unrecorded:  # the stage's own error is what the run ends with
+                    print(f"WARNING: the failure of stage {name} is not in MLflow ({unrecorded})")
             pipeline.finish("FAILED")
         raise
-    ending, headline_metrics = runs.ending(pipeline.run_id)
-    pipeline.log_metrics(headline_metrics)
+    ending = runs.ending(pipeline.run_id)
+    pipeline.log_metrics(ending.metrics)
+    pipeline.describe(ending.markdown)
     pipeline.finish("FINISHED")
-    create_markdown_artifact(_summary(cfg, pipeline.run_id, inputs) + f"\n```\n{ending}\n```\n", key="rlhf-pipeline-run",
-                             description=f"RLHF pipeline run {pipeline.run_id}")
+    create_markdown_artifact(_summary(cfg, pipeline.run_id, inputs) + f"\n```\n{ending.text}\n```\n",
+                             key="rlhf-pipeline-run", description=f"RLHF pipeline run {pipeline.run_id}")
     return pipeline.run_id
 
 

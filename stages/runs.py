@@ -15,6 +15,35 @@ from stages import registry, tracking
 PPO_CURVES = ("objective/scores", "objective/kl", "eval/score", "policy/response_length")
 
 
+def parent_metric_name(stage: str, metric: str) -> str:
+    """The name under which a pipeline run logs a headline metric of one of its stages: the stage
+    run's own name when it already starts with `<stage>/` (`data/rows`, `eval/judge/<judge>/net_win`,
+    `critic/final_value_loss`), else `<stage>/<metric>` (`sft/eval/perplexity`, `ppo/eval/score`).
+    The value at step 0 of a metric measured before and after training is `<that name>/before`."""
+    return metric if metric.startswith(f"{stage}/") else f"{stage}/{metric}"
+
+
+def logged_headline(parent_metrics: dict[str, float]) -> dict[str, dict[str, tuple[float | None, float]]]:
+    """Stage → {headline metric: (before or None, last)} as a finished pipeline run logged them
+    (`parent_metric_name`). Runs recorded when every name was `<stage>/<metric>` (`data/data/rows`)
+    read the same."""
+    out = {}
+    for stage in registry.STAGES.values():
+        found = {}
+        for key, value in parent_metrics.items():
+            if key.endswith("/before") or not key.startswith(f"{stage.name}/"):
+                continue
+            # the stage run's name under this scheme (`data/rows`), else under the one that always prefixed it
+            for name in (key, key.removeprefix(f"{stage.name}/")):
+                if any(fnmatch.fnmatchcase(name, pattern) for pattern in stage.headline):
+                    found[name] = (parent_metrics.get(f"{key}/before"), value)
+                    break
+        if found:
+            out[stage.name] = {name: found[name] for pattern in stage.headline
+                               for name in sorted(fnmatch.filter(found, pattern))}
+    return out
+
+
 @dataclass
 class StageView:
     stage: str
@@ -22,14 +51,21 @@ class StageView:
     # (tracking.STAGE_TAG_PREFIX); `not run`; or `inherited` (a stage of the run it started from)
     status: str
     run: object | None  # the MLflow stage run that holds its outputs and metrics
+    # The headline numbers the pipeline run logged for this stage when it finished (`logged_headline`):
+    # read from there, a listing of many runs needs no metric history of each stage run.
+    logged: dict[str, tuple[float | None, float]] | None = None
 
     def headline(self) -> dict[str, float]:
+        if self.logged is not None:
+            return {name: last for name, (_, last) in self.logged.items()}
         metrics = self.run.data.metrics if self.run else {}
         patterns = registry.STAGES[self.stage].headline if self.stage in registry.STAGES else ()
         return {name: metrics[name] for pattern in patterns for name in sorted(fnmatch.filter(metrics, pattern))}
 
     def before_after(self) -> dict[str, tuple[float | None, float]]:
         """Each headline metric's value at step 0, when it was logged again later, and its last."""
+        if self.logged is not None:
+            return dict(self.logged)
         mlflow_client = tracking.client()
         out = {}
         for name, last in self.headline().items():
@@ -39,27 +75,30 @@ class StageView:
         return out
 
 
-def stage_views(pipeline_run, inherited: bool = False) -> list[StageView]:
+def stage_views(pipeline_run, inherited: bool = False, logged: bool = True) -> list[StageView]:
     """The stages of a pipeline run in order, each with the stage run that holds it: its own
     child run, the earlier run it reused or the run its deployment made; with `inherited`, also
-    the stages of the runs it started from (`from_run`, recursively) that it did not run itself."""
+    the stages of the runs it started from (`from_run`, recursively) that it did not run itself.
+    With `logged`, each carries the headline numbers its pipeline run logged, where it did."""
     mlflow_client = tracking.client()
     recorded = tracking.recorded_stages(pipeline_run)
     children = tracking.stage_runs(pipeline_run.info.run_id)  # newest first
+    headlines = logged_headline(pipeline_run.data.metrics) if logged else {}
     views = []
     for stage in filter(None, pipeline_run.data.tags.get("rlhf.stages", "").split(",")):
         if stage in recorded:
             how, run_id = recorded[stage]
             run = mlflow_client.get_run(run_id)
-            views.append(StageView(stage, run.info.status if how == "ran" else how, run))
+            views.append(StageView(stage, run.info.status if how == "ran" else how, run, headlines.get(stage)))
         else:
             run = next((r for r in children if r.data.tags.get("rlhf.stage") == stage), None)
-            views.append(StageView(stage, run.info.status if run else "not run", run))
+            views.append(StageView(stage, run.info.status if run else "not run", run, headlines.get(stage) if run else None))
     from_run = pipeline_run.data.tags.get("rlhf.from_run")
     if inherited and from_run:
         own = {view.stage for view in views}
-        views += [StageView(view.stage, "inherited", view.run)
-                  for view in stage_views(mlflow_client.get_run(from_run), inherited=True) if view.stage not in own]
+        views += [StageView(view.stage, "inherited", view.run, view.logged)
+                  for view in stage_views(mlflow_client.get_run(from_run), inherited=True, logged=logged)
+                  if view.stage not in own]
     order = registry.names()
     return sorted(views, key=lambda view: order.index(view.stage) if view.stage in order else len(order))
 
@@ -160,30 +199,55 @@ def _plot_ppo_curves(ppo_views: list[StageView | None], names: list[str], png: P
     plt.close(fig)
 
 
-def ending(pipeline_run_id: str) -> tuple[str, dict[str, float]]:
+@dataclass
+class Ending:
     """What a finished pipeline run says of itself: a line per stage with its headline numbers
-    (before → after where a stage measured both), a plain verdict on the policy, and where the
-    report is; and those numbers as metrics for the parent run (`<stage>/<metric>`, and
-    `<stage>/<metric>/before`), so MLflow's run list and compare view show them."""
+    (before → after where a stage measured both), a plain verdict on the policy and where the
+    report is; and those numbers as metrics of the parent run (`parent_metric_name`), so MLflow's
+    run list and compare view show them."""
+
+    title: str
+    stages: list[tuple[str, str, str]]  # stage, status, its headline numbers
+    verdict: list[str]
+    metrics: dict[str, float]
+
+    @property
+    def text(self) -> str:
+        """As `rlhf run` prints it."""
+        return "\n".join([self.title, *(f"  {stage:<7} {status:<9} {cells}" for stage, status, cells in self.stages),
+                          *self.verdict])
+
+    @property
+    def markdown(self) -> str:
+        """The pipeline run's MLflow description (`mlflow.note.content`): the verdict first, then
+        the headline table, the same words as `text`."""
+        verdict = [line.strip() for line in self.verdict if not line.startswith("Report: ")]
+        report = [line for line in self.verdict if line.startswith("Report: ")]
+        rows = [f"| {stage} | {status} | " + cells.replace("|", "\\|") + " |" for stage, status, cells in self.stages]
+        table = "\n".join(["| stage | status | headline |", "|---|---|---|", *rows])
+        return "\n\n".join([f"**{self.title}**", *verdict, table, *report])
+
+
+def ending(pipeline_run_id: str) -> Ending:
+    """The ending of a finished pipeline run, from its stage runs."""
     run = tracking.client().get_run(pipeline_run_id)
-    lines, metrics = [f"Pipeline run {pipeline_run_id} finished: {run.info.run_name}"], {}
-    views = [view for view in stage_views(run) if view.run is not None]
-    for view in views:
-        lines.append(f"  {view.stage:<7} {view.status:<9} " + ("  ".join(_cells(view, metrics)) or "-"))
-    lines += _verdict({view.stage: view for view in views})
-    return "\n".join(lines), metrics
+    metrics: dict[str, float] = {}
+    views = [view for view in stage_views(run, logged=False) if view.run is not None]
+    rows = [(view.stage, view.status, "  ".join(_cells(view, metrics)) or "-") for view in views]
+    return Ending(f"Pipeline run {pipeline_run_id} finished: {run.info.run_name}", rows,
+                  _verdict({view.stage: view for view in views}), metrics)
 
 
 def _cells(view: StageView, metrics: dict[str, float]) -> list[str]:
     """`name value` per headline metric, `name before → after` where the stage measured both;
-    the values go into `metrics` as `<stage>/<name>` and `<stage>/<name>/before`."""
+    the values go into `metrics` under `parent_metric_name`, and `…/before`."""
     cells = []
     for name, (before, after) in view.before_after().items():
-        metrics[f"{view.stage}/{name}"] = after
+        metrics[parent_metric_name(view.stage, name)] = after
         if before is None:
             cells.append(f"{name} {_with_interval(view, name, after)}")
         else:
-            metrics[f"{view.stage}/{name}/before"] = before
+            metrics[f"{parent_metric_name(view.stage, name)}/before"] = before
             cells.append(f"{name} {_number(before)} → {_with_interval(view, name, after)}")
     return cells
 

@@ -34,6 +34,14 @@ class DataError(ValueError):
         super().__init__(f"{where}: {rule}")
 
 
+class ModelError(ValueError):
+    """A model folder or tokenizer the pipeline refuses as it is; `fix` says what makes it usable."""
+
+    def __init__(self, reason: str, fix: str):
+        self.fix = fix
+        super().__init__(reason)
+
+
 # ----------------------------------------------------------------------------------------------
 # Data
 
@@ -350,9 +358,9 @@ def load_tokenizer(model_dir: str, cfg: ModelConfig):
     if cfg.pad_token and cfg.pad_token in tokenizer.get_vocab():
         tokenizer.pad_token = cfg.pad_token
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError(
-            f"tokenizer of {model_dir}: pad token must exist and differ from EOS "
-            f"(else padding masks hide every EOS); set model.pad_token"
+        raise ModelError(
+            f"tokenizer of {model_dir}: pad token must exist and differ from EOS (else padding masks hide every EOS)",
+            fix="set model.pad_token to a token of its vocabulary other than EOS (--set model.pad_token=<token>)",
         )
     return tokenizer
 
@@ -368,8 +376,11 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
     if folder.is_dir() and not any(folder.glob("*.safetensors")):  # say why, not only which file is missing
         pickled = [p.name for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
         found = f" (it has {', '.join(pickled)})" if pickled else ""
-        raise ValueError(f"model {model_dir}: no safetensors weights{found}; weights load as safetensors only, "
-                         f"since loading a pickled checkpoint can run any code in it")
+        raise ModelError(f"model {model_dir}: no safetensors weights{found}; weights load as safetensors only, "
+                         f"since loading a pickled checkpoint can run any code in it",
+                         fix=f"convert it once, where you trust its files: python -c \"from transformers import "
+                             f"AutoModelForCausalLM as M; M.from_pretrained('{model_dir}', use_safetensors=False)"
+                             f".save_pretrained('{model_dir}')\" writes model.safetensors beside it")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )

@@ -37,6 +37,9 @@ STAGE_TAG_PREFIX = "rlhf.stage."
 FLOW_RUN_TAG = "rlhf.prefect_flow_run"  # on a pipeline run: the Prefect flow run that made it
 STUDY_TAG, ARM_TAG = "rlhf.study", "rlhf.arm"  # a study's pipeline runs: the study's run id, the arm's name
 CONTRACT_TAG = "rlhf.contract"  # passed | failed, set by the gate after the stage (data_contracts)
+DESCRIPTION_TAG = "mlflow.note.content"  # what MLflow's UI shows as a run's description
+FAILED_STAGE_TAG = "rlhf.failed_stage"  # on a failed pipeline run: the stage it failed in
+TRACEBACK_ARTIFACT = "logs/traceback.txt"  # on a failed pipeline run and its failed stage run
 
 
 def tracking_uri() -> str:
@@ -548,6 +551,9 @@ class PipelineRun:
                 mlflow_client.set_terminated(stage.info.run_id, status="KILLED")
         mlflow_client.update_run(run_id, status="RUNNING")
         mlflow_client.set_tag(run_id, "rlhf.resumed", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        if FAILED_STAGE_TAG in mlflow_client.get_run(run_id).data.tags:  # the failure it resumes from is over
+            for tag in (FAILED_STAGE_TAG, DESCRIPTION_TAG):
+                mlflow_client.delete_tag(run_id, tag)
         return cls(mlflow_client, run_id, cfg)
 
     @property
@@ -582,6 +588,21 @@ class PipelineRun:
         items = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
         for start in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[start : start + 500])
+
+    def describe(self, markdown: str) -> None:
+        """The description MLflow's UI shows first on the run's page."""
+        self.client.set_tag(self.run_id, DESCRIPTION_TAG, markdown)
+
+    def record_failure(self, stage: str, description: str, traceback_text: str) -> None:
+        """A failed stage: its traceback as the artifact `TRACEBACK_ARTIFACT` of this run and of the
+        stage's run (when it got one), and `description` (the failure as `rlhf run` prints it) as the
+        description of both."""
+        failed = [run for run in stage_runs(self.run_id)
+                  if run.data.tags.get("rlhf.stage") == stage and run.info.status == "FAILED"][:1]
+        for run_id in (self.run_id, *(run.info.run_id for run in failed)):
+            self.client.log_text(run_id, traceback_text, TRACEBACK_ARTIFACT)
+            self.client.set_tag(run_id, DESCRIPTION_TAG, description)
+        self.client.set_tag(self.run_id, FAILED_STAGE_TAG, stage)
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -1,10 +1,14 @@
 """The `rlhf` command as a user runs it: a subprocess, Prefect's ephemeral API, no server."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 
 from stages import allocator, tracking
@@ -70,3 +74,46 @@ def test_run_on_the_ephemeral_api():
     out = _rlhf("run", "--resume", run_id)  # nothing left to run: it finishes at once
     assert out.returncode == 0, out.stderr[-3000:]
     assert tracking.client().get_run(run_id).data.params["registry_prefix"] == "rlhf-tiny"
+
+
+def _broken_copy(folder: str, target: Path, broken: str) -> Path:
+    """The tiny preset's model folder with its weights pickled, or its tokenizer without a pad token."""
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(folder, target, ignore=shutil.ignore_patterns(".complete"))
+    if broken == "pickled weights":  # as older hub models ship
+        for weights in target.glob("*.safetensors"):
+            torch.save(load_file(weights), target / "pytorch_model.bin")
+            weights.unlink()
+    else:
+        settings = json.loads((target / "tokenizer_config.json").read_text())
+        del settings["pad_token"]
+        (target / "tokenizer_config.json").write_text(json.dumps(settings))
+    return target
+
+
+@pytest.mark.parametrize("broken, reason, fix", [
+    ("pickled weights", "no safetensors weights (it has pytorch_model.bin); weights load as safetensors only",
+     "Fix: convert it once, where you trust its files: python -c "),
+    ("no pad token", "pad token must exist and differ from EOS",
+     "Fix: set model.pad_token to a token of its vocabulary other than EOS (--set model.pad_token=<token>)"),
+])
+def test_a_failed_stage_ends_in_its_reason_and_fix_which_are_the_runs_description(tiny, tmp_path, broken, reason, fix):
+    """A stage that fails: the command ends with the stage, the one-line reason and the fix (no
+    traceback); the same lines are the pipeline run's MLflow description, the traceback its artifact."""
+    folder = _broken_copy(tiny[0], tmp_path / "model", broken)
+    out = _rlhf("run", "--preset", "tiny", "--set", f"model.name_or_path={folder}", timeout=900)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    ending = out.stderr.rstrip("\n").splitlines()[-3:]
+    run_id = re.fullmatch(r"Pipeline run (\w{32}) failed \(full traceback in MLflow: run \1, artifact "
+                          r"logs/traceback.txt\)", ending[0]).group(1)
+    assert ending[1].startswith("Stage sft failed: ") and reason in ending[1] and str(folder) in ending[1]
+    assert ending[2].startswith(fix), ending[2]
+
+    run = tracking.client().get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.tags[tracking.FAILED_STAGE_TAG] == "sft"
+    assert run.data.tags["mlflow.note.content"].split("\n\n") == ending
+    traceback_text = Path(tracking.client().download_artifacts(run_id, "logs/traceback.txt", str(tmp_path))).read_text()
+    assert traceback_text.startswith("Traceback (most recent call last):") and "ModelError: " in traceback_text

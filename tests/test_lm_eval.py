@@ -84,7 +84,7 @@ def test_task_runs_on_both_models_and_lands_in_the_report(evaluated):
         assert metrics[f"{base}_stderr/{model}"] == pytest.approx((acc * (1 - acc) / 7) ** 0.5)
     assert "eval/ceval_0shot/overall/delta" in metrics and run.data.tags["rlhf.contract"] == "passed"
     # A headline number: on the pipeline run, as `rlhf runs` and `rlhf compare` show it.
-    assert tracking.client().get_run(evaluated).data.metrics[f"eval/{base}/delta"] == pytest.approx(policy - sft)
+    assert tracking.client().get_run(evaluated).data.metrics[f"{base}/delta"] == pytest.approx(policy - sft)
 
     report = tracking.download(f"runs:/{run.info.run_id}/report")
     text = (report / "report.md").read_text()

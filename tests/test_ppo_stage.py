@@ -53,7 +53,8 @@ def test_ppo_continues_the_critic_stages_running_moments_without_warmup(full_run
 
 def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_run(full_run):
     """The parent run holds each stage's headline numbers (MLflow's run list and compare view show
-    them) under a name that says what ran; the run's ending is a line per stage and a verdict."""
+    them), each stage's name once in a metric's name, under a run name that says what ran; the
+    run's ending is a line per stage and a verdict, and its MLflow description holds both."""
     from stages import runs
 
     client = tracking.client()
@@ -62,21 +63,30 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     assert stage_run(full_run, "ppo").info.run_name == "ppo (ppo-max)"
     assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     metrics = parent.data.metrics
-    for name in ("sft/eval/perplexity", "sft/eval/perplexity/before", "reward/eval/accuracy", "ppo/eval/score",
-                 "ppo/eval/score/before", "ppo/eval/kl", "ppo/eval/response_length/before",
-                 "eval/eval/judge/reward_model/win_rate"):
+    for name in ("data/rows", "sft/eval/perplexity", "sft/eval/perplexity/before", "reward/eval/accuracy",
+                 "critic/final_value_loss", "ppo/eval/score", "ppo/eval/score/before", "ppo/eval/kl",
+                 "ppo/eval/response_length/before", "eval/judge/reward_model/win_rate", "eval/judge/reward_model/net_win"):
         assert name in metrics, name
+    assert not [name for name in metrics if name.split("/")[1:2] == name.split("/")[:1]]
     ppo_scores = [m.value for m in sorted(client.get_metric_history(stage_run(full_run, "ppo").info.run_id, "eval/score"),
                                           key=lambda m: m.step)]
     assert (metrics["ppo/eval/score/before"], metrics["ppo/eval/score"]) == pytest.approx((ppo_scores[0], ppo_scores[-1]))
-    text, _ = runs.ending(full_run)
-    lines = text.splitlines()
+    ending = runs.ending(full_run)
+    text, lines = ending.text, ending.text.splitlines()
     assert lines[0] == f"Pipeline run {full_run} finished: tiny · ppo-max"
     assert [line.split()[0] for line in lines[1:7]] == ["data", "sft", "reward", "critic", "ppo", "eval"]
     assert "eval/score " in lines[5] and " → " in lines[5]
     verdict = next(line for line in lines if line.startswith("Verdict: the policy "))
     assert "reward_model judge on 8 held-out prompts" in verdict and "cannot separate" in text
     assert "Report: runs:/" in text
+
+    description = parent.data.tags["mlflow.note.content"]
+    assert description == ending.markdown
+    paragraphs = description.split("\n\n")
+    assert paragraphs[0] == f"**{lines[0]}**" and paragraphs[1] == verdict
+    table = next(p for p in paragraphs if p.startswith("| stage | status | headline |")).splitlines()
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| data", "| sft", "| reward", "| critic", "| ppo", "| eval"]
+    assert table[2].startswith("| data | FINISHED | data/rows ")
 
 
 def test_compare_lists_the_eval_stages_judges_with_their_intervals(full_run, tmp_path):
