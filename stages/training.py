@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
+from stages.dist import Dist
 from stages.models.embedding import add_gradients_in_place
-
-if TYPE_CHECKING:
-    from stages.launch import Dist
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -28,12 +25,6 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
         labels[i, : len(labs)] = torch.tensor(labs)
         attention[i, : len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
