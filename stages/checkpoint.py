@@ -11,6 +11,7 @@ takes the newest folder whose manifest verifies.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,6 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
-from stages.sources import file_digest
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"  # the stage's own state (PPO's: trainer.pt, its name before the others had one)
@@ -35,6 +35,14 @@ class DiskFullError(RuntimeError):
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # A write that failed with less than this free on its filesystem failed for want of space.
 FULL_BELOW_BYTES = 64 * 2**20
+
+
+def file_digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def _save_file(path: Path, write) -> None:

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
+from stages import sources
 from stages.config import GenerationConfig, PipelineConfig
+from stages.data import HH_CHAT_TEMPLATE
 
 Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
 
@@ -54,11 +56,8 @@ def chat(cfg: PipelineConfig) -> Pack:
     model_cfg, sampling = cfg.model, cfg.eval.generation
 
     def pack(folder: Path, path: Path, mlflow_model) -> None:
-        import mlflow.transformers
+        import mlflow.transformers  # deferred, as transformers below: only where a chat model is packed
         from transformers import AutoTokenizer
-
-        from stages import sources
-        from stages.data import HH_CHAT_TEMPLATE
 
         # MLflow 3.17's checkpoint-path route (`transformers_model=<folder>`) fails under transformers 5
         # (flavor_config.py reads `check_task(...)["impl"].__name__`, now a string): the pipeline's

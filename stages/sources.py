@@ -156,14 +156,6 @@ def read_records(spec: str, cfg: DataConfig) -> tuple[str, list[dict]]:
     return str(path.resolve()), rows
 
 
-def file_digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------
 # Cache
 

@@ -22,8 +22,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from stages import mlflow_models
-from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
+from stages import mlflow_models, registry
+from stages.config import REPO_ROOT, PipelineConfig, load_config, rlhf_home, upgrade_recorded
 
 PIPELINE_TAG = "rlhf.kind"
 OUTPUTS_TAG = "rlhf.outputs"
@@ -413,8 +413,6 @@ class StageRun:
         lineage tags: every model input of the stage (`rlhf.input.<name>`), `provenance`, and
         `lineage`. Returns {"<registers>_model": models:/<name>/<version>,
         "<registers>_model_artifact": models:/<model id>}."""
-        from stages import registry
-
         spec = registry.get(self.stage)
         out = self.workdir / "model"
         shutil.rmtree(out, ignore_errors=True)
@@ -424,7 +422,7 @@ class StageRun:
         model_id, location = self.log_model(out, pack)
         shutil.rmtree(out)  # the MLflow model is the copy that counts
         tags = {f"rlhf.input.{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
-        tags.update(self.provenance(inputs, cfg.stage_hash(self.stage)))
+        tags.update(self.provenance(inputs, spec.config_hash(cfg)))
         tags.update(lineage or {})
         version = self.register(spec.registers, model_id, location, cfg.registry_prefix, tags)
         return {f"{spec.registers}_model": version, f"{spec.registers}_model_artifact": f"models:/{model_id}"}
@@ -492,8 +490,6 @@ def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> s
     """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
     `demo · ppo vanilla rerun of 4ac5fade` (or `demo · ppo-max rerun of …`) for PPO alone on an
     earlier run's artifacts."""
-    from stages import registry
-
     if set(registry.names()) <= set(stages):
         what = ppo_arm(cfg)
     else:
@@ -660,8 +656,6 @@ def recorded_config(pipeline_run_id: str) -> PipelineConfig:
     """The resolved config a pipeline run started with (its config.json); for a run made before
     that artifact existed, its preset's defaults."""
     from mlflow.exceptions import MlflowException
-
-    from stages.config import load_config, upgrade_recorded
 
     try:
         with fetched(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}") as recorded_file:

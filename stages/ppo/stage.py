@@ -22,10 +22,15 @@ from stages.ppo.guard import CollapseGuard
 from stages.reward_sources import text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
-from stages.ppo.trainer import PPOTrainer, warmup_steps
+from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
 from stages.reward.model import load_reward_model
-from stages.training import masked_mean, trained_model
+from stages.tensors import masked_mean
+from stages.training import trained_model
 
+
+
+def check(cfg: PipelineConfig) -> None:
+    check_algorithms(cfg.ppo)
 
 
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:

@@ -1,0 +1,62 @@
+"""The import rule (pyproject.toml [tool.importlinter]): imports go down the layers, flows → stage
+modules → what stages run on → running and recording stages → shared rooms → leaf modules, and
+no modules import one another in a circle. import-linter checks the layers, grimp the circles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+from stages.config import REPO_ROOT
+
+PACKAGES = ("flows", "stages", "data_contracts")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's CLI on the packages under `root`, with the contract in its pyproject.toml."""
+    return subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                                                 "lint_imports_command()", "--no-cache"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+
+
+def test_imports_go_down_the_layers():
+    result = lint_imports(REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 1 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize(("module", "planted", "broken"), [
+    # a leaf module reaching up into the stage table it parameterises
+    ("stages/config.py", "from stages import registry", "stages.config is not allowed to import stages.registry"),
+    # a shared room reaching up into a stage module
+    ("stages/training.py", "from stages.sft import run", "stages.training is not allowed to import stages.sft"),
+])
+def test_a_planted_upward_import_breaks_the_rule(tmp_path, module, planted, broken):
+    for package in PACKAGES:
+        shutil.copytree(REPO_ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path)
+    assert lint_imports(tmp_path).returncode == 0  # the copy keeps the rule
+    path = tmp_path / module
+    text = path.read_text()
+    first_import = text.index("\nimport ")  # after the module docstring and `from __future__`
+    path.write_text(f"{text[:first_import]}\n{planted}{text[first_import:]}")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1 and "Contracts: 0 kept, 1 broken." in result.stdout, result.stdout + result.stderr
+    assert broken in result.stdout
+
+
+def test_no_modules_import_each_other_in_a_circle(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None)
+    imports = [(importer, imported) for importer in graph.modules
+               for imported in graph.find_modules_directly_imported_by(importer)]
+    assert len(imports) > 150  # the graph was built from this checkout's packages
+    circles = [" -> ".join((importer, *graph.find_shortest_chain(importer=imported, imported=importer)))
+               for importer, imported in imports if graph.chain_exists(importer=imported, imported=importer)]
+    assert circles == []
