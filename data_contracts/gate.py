@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from data_contracts.suites import SUITES, derive
-from stages import registry
+from stages import registry, tracking
 from stages.config import PipelineConfig
 from stages.tracking import CONTRACT_TAG
 
@@ -252,8 +252,6 @@ def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, ml
 
 def check_handoff(stage: str, outputs: dict[str, str], cfg: PipelineConfig) -> GateReport | None:
     """The gate after `stage`, on the probe frames named in its outputs (None: no contract yet)."""
-    from stages import tracking
-
     spec = registry.get(stage)
     if not spec.contract:
         return None

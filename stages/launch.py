@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from stages import allocator, registry
+from stages import allocator, registry, tracking
 from stages.dist import Dist
 from stages.interrupt import RanksRunning, StageInterrupted
 from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
@@ -74,7 +74,7 @@ def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
 
 def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
     """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
-    from stages import precision, tracking
+    from stages import precision  # deferred: imports torch, which the flow needs not to launch ranks
 
     spec = registry.get(stage)
     missing = [name for name in spec.inputs if name not in inputs and name not in spec.optional_inputs]
@@ -106,7 +106,7 @@ def in_process(cfg: PipelineConfig, stage: str) -> bool:
 
 def stage_device(cfg: PipelineConfig, stage: str) -> str:
     """Where a stage computes: its ranks use the GPU when there is one (`_rank_main`); in-process, the CPU."""
-    import torch
+    import torch  # deferred: as precision in execute
 
     return "cuda" if not in_process(cfg, stage) and torch.cuda.is_available() else "cpu"
 
@@ -169,7 +169,7 @@ def _run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict, downloads
 
 def _rank_main(spec_path: str) -> None:
     """Entry point of one rank (`python -m stages.launch SPEC` under torchrun or the deepspeed launcher)."""
-    import torch
+    import torch  # deferred: only a rank's process needs it
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = PipelineConfig.model_validate(spec["config"])
@@ -184,7 +184,7 @@ def _rank_main(spec_path: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # torch 2.13 deprecates a collective DeepSpeed's ZeRO calls every step.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    import deepspeed
+    import deepspeed  # deferred: DS_ACCELERATOR above must be set before it loads
 
     if not on_gpu:
         # DeepSpeed's CPU backend JIT-compiles (g++, on a fresh machine) a shared-memory all-reduce
@@ -196,8 +196,6 @@ def _rank_main(spec_path: str) -> None:
                 workdir=Path(spec["workdir"]))
     tracker = None
     if dist.is_main:
-        from stages import tracking
-
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     try:

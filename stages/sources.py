@@ -365,7 +365,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
-    from stages.models import set_fast_path
+    from stages.models import set_fast_path  # deferred: as torch above
 
     set_fast_path(model, cfg.fast_path)
     return model
