@@ -9,6 +9,7 @@ No Prefect here: the flow calls `check_handoff` from a plain task and publishes 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -160,13 +161,11 @@ def _failures(result: dict, max_examples: int) -> list[Failure]:
 
 def _context():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    import logging
-
-    import great_expectations as gx
+    import great_expectations as gx  # deferred: seconds to load, and only after GX_ANALYTICS_ENABLED is set
 
     for name in ("great_expectations", "great_expectations.data_context.types.base"):  # "created temporary directory…"
         logging.getLogger(name).setLevel(logging.WARNING)
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    from great_expectations.data_context.types.base import ProgressBarsConfig  # deferred: as gx above
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
@@ -175,7 +174,7 @@ def _context():
 
 def validate(suite: str, frame: pd.DataFrame, cfg: PipelineConfig, docs_dir: Path | None = None) -> SuiteReport:
     """Run one suite on a frame (ephemeral GX context); with docs_dir, build Data Docs there."""
-    import great_expectations as gx
+    import great_expectations as gx  # deferred: as above
 
     context = _context()
     if docs_dir is not None:

@@ -243,7 +243,7 @@ def _study(args: argparse.Namespace) -> int:
     from prefect.exceptions import CancelledRun  # deferred: Prefect
 
     from data_contracts import ContractError  # deferred: Great Expectations and Prefect load only for a run
-    from flows.study import study
+    from flows.study import study  # deferred: Prefect
 
     _open_stores()
     try:

@@ -60,7 +60,7 @@ def use_aws_credentials_block() -> None:
     name = os.environ.get("RLHF_AWS_CREDENTIALS_BLOCK")
     if not name:
         return
-    from prefect_aws import AwsCredentials
+    from prefect_aws import AwsCredentials  # deferred: the optional s3 extra
 
     block = AwsCredentials.load(name)
     secret = block.aws_secret_access_key

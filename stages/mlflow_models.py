@@ -42,7 +42,7 @@ def generation_defaults(sampling: GenerationConfig, tokenizer):
     """transformers' GenerationConfig for `sampling` (the eval stage's: what the judged answers were
     sampled with). A model saved without one gets, in a transformers text-generation pipeline, that
     pipeline's own defaults (sampling at temperature 0.7, 256 new tokens) instead of ours."""
-    import transformers
+    import transformers  # deferred: transformers only where a model is packed
 
     return transformers.GenerationConfig(
         do_sample=sampling.do_sample, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
@@ -84,7 +84,7 @@ def hf_folder(root: Path) -> Path:
     version registered before models were MLflow models is that folder itself."""
     if not (root / MLMODEL_FILE).exists():
         return root
-    from mlflow.models import Model
+    from mlflow.models import Model  # deferred: MLflow only where a model is logged
 
     flavors = Model.load(str(root / MLMODEL_FILE)).flavors
     if "transformers" in flavors:

@@ -366,7 +366,7 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
 def _packed_bytes(shape: tuple[int, int], rows: int, precision: str) -> int:
     import torch  # deferred, as the import below: the plan of a config alone loads no torch
 
-    from stages.models.llama import _mkl_pack, _onednn_pack
+    from stages.models.llama import _mkl_pack, _onednn_pack  # deferred: as torch above
 
     if precision == "bf16":
         packed = _onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
@@ -459,7 +459,7 @@ def reward_batch_tokens(r) -> int:
 def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str | None = None) -> StagePlan:
     import torch  # deferred, as the imports of torch code below: the CLI imports this module without torch
 
-    from stages import precision as precisions
+    from stages import precision as precisions  # deferred: imports torch
 
     device = device or stage_device(cfg, stage)
 

@@ -21,6 +21,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from stages import mlflow_models, registry
 from stages.config import REPO_ROOT, PipelineConfig, load_config, rlhf_home, upgrade_recorded
@@ -50,7 +52,7 @@ def _quiet_mlflow() -> None:
 
 def client():
     _quiet_mlflow()
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # deferred, as every MLflow import here: `rlhf --help` and the ranks load none
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
@@ -125,7 +127,7 @@ def download(uri: str, into: Path | None = None) -> Path:
     a fresh temp folder a download, is never removed: a run of a large model would leave every
     model it read in /tmp.)"""
     _quiet_mlflow()
-    import mlflow.artifacts
+    import mlflow.artifacts  # deferred: MLflow
 
     location = storage_location(uri)
     local = _local_path(location)
@@ -165,7 +167,7 @@ def storage_location(uri: str) -> str:
     if uri.startswith("models:/"):  # resolve through our tracking store and registry, not MLflow's global default
         return model_location(uri)
     if uri.startswith("runs:/"):
-        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository  # deferred: MLflow
 
         return RunsArtifactRepository.get_underlying_uri(uri, tracking_uri())
     return uri
@@ -173,9 +175,6 @@ def storage_location(uri: str) -> str:
 
 def _local_path(location: str) -> Path | None:
     """The local file or folder of a storage location, or None for a remote one."""
-    from urllib.parse import urlparse
-    from urllib.request import url2pathname
-
     parsed = urlparse(location)
     if parsed.scheme == "file":
         return Path(url2pathname(parsed.path))
@@ -204,7 +203,7 @@ def model_location(uri: str) -> str:
 
 def log_params(mlflow_client, run_id: str, params: dict) -> None:
     """Log a nested dict as flat `section.key` params (MLflow caps a value at 6000 chars)."""
-    from mlflow.entities import Param
+    from mlflow.entities import Param  # deferred: MLflow
 
     items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
     for start in range(0, len(items), 100):
@@ -218,7 +217,7 @@ class TrackingUnavailable(RuntimeError):
 def _unreachable(err: Exception) -> bool:
     """Whether a tracking call failed for want of a server (worth retrying), not because the
     server refused the request."""
-    import requests
+    import requests  # deferred, as MLflow
     from mlflow.exceptions import MlflowException
 
     if isinstance(err, (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout)):
@@ -336,7 +335,7 @@ class StageRun:
         self._call(log_params, self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: MLflow
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if (k, step) not in self._logged]
@@ -371,7 +370,7 @@ class StageRun:
 
     def log_input_rows(self, rows: list[dict], *, name: str, source: str, digest: str, context: str) -> None:
         """Record a data split as an MLflow dataset input of this run (`mlflow.log_input`)."""
-        import mlflow.data
+        import mlflow.data  # deferred: MLflow
         import pandas as pd
         from mlflow.entities import DatasetInput, InputTag
 
@@ -431,7 +430,7 @@ class StageRun:
         """`folder` packed as an MLflow model and logged as this run's LoggedModel `model` (what
         `mlflow.<flavor>.log_model` does, through this run's client and outage handling); returns
         (its model id, where the store keeps it)."""
-        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # deferred: MLflow
         from mlflow.models import Model
 
         experiment = self._call(self.client.get_run, self.run_id).info.experiment_id
@@ -454,7 +453,7 @@ class StageRun:
     def register(self, kind: str, model_id: str, location: str, prefix: str, lineage: dict[str, str]) -> str:
         """Register logged model `model_id` (kept at `location`) as a version of `<prefix>-<kind>`;
         returns `models:/name/version`."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # deferred: MLflow
 
         name = f"{prefix}-{kind}"
         try:
@@ -572,7 +571,7 @@ class PipelineRun:
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Metrics of the pipeline run itself (its stages' headline numbers, for MLflow's run list)."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: MLflow
 
         now = int(time.time() * 1000)
         items = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
@@ -614,7 +613,7 @@ def _feeds_later_stages(run) -> bool:
 def reusable(stage_run_id: str, gated: bool) -> bool:
     """Whether a later pipeline run may skip a stage by reusing this finished stage run: it still
     exists, its outputs feed later stages and, for a stage with a contract, its gate passed."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: MLflow
 
     try:
         run = client().get_run(stage_run_id)
@@ -655,7 +654,7 @@ def outputs_of(pipeline_run_id: str) -> dict[str, str]:
 def recorded_config(pipeline_run_id: str) -> PipelineConfig:
     """The resolved config a pipeline run started with (its config.json); for a run made before
     that artifact existed, its preset's defaults."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: MLflow
 
     try:
         with fetched(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}") as recorded_file:

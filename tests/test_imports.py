@@ -4,6 +4,7 @@ no modules import one another in a circle. import-linter checks the layers, grim
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -60,3 +61,33 @@ def test_no_modules_import_each_other_in_a_circle(monkeypatch):
     circles = [" -> ".join((importer, *graph.find_shortest_chain(importer=imported, imported=importer)))
                for importer, imported in imports if graph.chain_exists(importer=imported, imported=importer)]
     assert circles == []
+
+
+def _deferred_imports_without_a_reason(path: Path) -> list[str]:
+    """The first import of each run of imports inside a function, where neither its line nor the
+    line above it has a comment."""
+    lines = path.read_text().splitlines()
+    found = []
+    for function in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for block in ast.walk(function):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                statements = getattr(block, field, None)
+                if not isinstance(statements, list):
+                    continue
+                for before, statement in zip([None, *statements], statements):
+                    first_of_a_run = isinstance(statement, (ast.Import, ast.ImportFrom)) and not isinstance(
+                        before, (ast.Import, ast.ImportFrom))
+                    line = statement.lineno
+                    if first_of_a_run and "#" not in lines[line - 1] and not lines[line - 2].lstrip().startswith("#"):
+                        found.append(f"{path.relative_to(REPO_ROOT)}:{line}: {lines[line - 1].strip()}")
+    return found
+
+
+def test_a_function_local_import_says_why_it_is_deferred():
+    """Imports sit at the top of a module; one inside a function defers a heavy library (torch,
+    MLflow, Prefect, Great Expectations, ...) and says so, so it hides no circle."""
+    missing = [where for package in PACKAGES for path in sorted((REPO_ROOT / package).rglob("*.py"))
+               for where in _deferred_imports_without_a_reason(path)]
+    assert missing == []

@@ -170,10 +170,10 @@ def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:
 
 
 def score_histogram(scores: list[float], title: str, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib only for the histograms
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.hist(scores, bins=20, color="#4c72b0")
