@@ -858,9 +858,9 @@ class PipelineConfig(_Section):
         critic = self.critic
         return PPOConfig(**CriticRollouts.model_validate(self.ppo, from_attributes=True).model_dump(),
                          rollout_batch_size=critic.rollout_batch_size, minibatch_size=critic.minibatch_size,
-                         critic_lr=critic.lr, critic_weight_decay=critic.weight_decay, max_grad_norm=critic.max_grad_norm,
-                         adam_betas=critic.adam_betas, seed=critic.seed, max_nonfinite_steps=critic.max_nonfinite_steps,
-                         ppo_epochs=1)
+                         critic_lr=critic.lr, critic_weight_decay=critic.weight_decay,
+                         max_grad_norm=critic.max_grad_norm, adam_betas=critic.adam_betas, seed=critic.seed,
+                         max_nonfinite_steps=critic.max_nonfinite_steps, ppo_epochs=1)
 
     def config_hash(self) -> str:
         return self.section_hash(*(n for n in type(self).model_fields if n != "preset"))

@@ -66,7 +66,8 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     cfg = cfg.model_copy(update={"ppo": ppo})
     torch.manual_seed(critic_cfg.seed)
     tokenizer, policy, _, reward_model, critic, score_fn = load_models(cfg, inputs, dist, train_actor=False)
-    prompts = encode_prompts(tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"), ppo.max_prompt_len)
+    prompts = encode_prompts(tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"),
+                             ppo.max_prompt_len)
     # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
     trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
                          ptx_examples=[], tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model),

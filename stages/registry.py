@@ -119,7 +119,8 @@ for _stage in (
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
           contract={"reward": "reward_probe"}, resumes=True, headline=("eval/accuracy", "eval/margin")),
     # The critic reads of `ppo` only what PipelineConfig.critic_ppo passes on: CriticRollouts' fields.
-    Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *(f"ppo.{name}" for name in CriticRollouts.model_fields)),
+    Stage("critic", "stages.critic",
+          config=(*PIPELINE, "critic", *(f"ppo.{name}" for name in CriticRollouts.model_fields)),
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
           registers="critic", model_output="critic_model", contract={"critic": "critic_probe"}, resumes=True,
           headline=("critic/final_value_loss", "critic/final_explained_variance")),

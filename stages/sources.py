@@ -199,7 +199,7 @@ BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
     """A byte-level BPE tokenizer trained on `texts` (seconds for a few MB), saved as HF files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # deferred: tokenizers and transformers only to build one
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # deferred: only to build one
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

@@ -55,7 +55,8 @@ def test_a_whole_section_hashes_as_before():
     cfg = load_config("tiny")
     dump = cfg.model_dump(mode="json")
     old = {name: dump[name] for name in ("model", "data", "sft")}
-    assert registry.get("sft").config_hash(cfg) == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    expected = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert registry.get("sft").config_hash(cfg) == expected
 
 
 def test_an_unknown_stage_names_the_closest_one():

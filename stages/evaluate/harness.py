@@ -22,7 +22,7 @@ def version() -> str:
 def _builtin_tasks():
     """lm-eval's own task index (about 15,000 YAMLs, seconds to read): read once per process, as
     the installed package's tasks do not change while it runs."""
-    from lm_eval.tasks import TaskManager  # deferred, as all of lm_eval here: seconds to load, for eval.lm_eval_tasks only
+    from lm_eval.tasks import TaskManager  # deferred, as all of lm_eval here: seconds to load
 
     return TaskManager()
 
