@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -91,3 +93,15 @@ def test_a_function_local_import_says_why_it_is_deferred():
     missing = [where for package in PACKAGES for path in sorted((REPO_ROOT / package).rglob("*.py"))
                for where in _deferred_imports_without_a_reason(path)]
     assert missing == []
+
+
+def test_every_module_has_a_layer(monkeypatch):
+    """A new module goes into a layer of the contract; only the packages that hold modules of
+    several layers stand outside them."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    (contract,) = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = {name.strip().strip("()") for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None)
+    outside = {module for module in graph.modules
+               if not any(module == layer or module.startswith(f"{layer}.") for layer in layers)}
+    assert outside == {"stages", "stages.evaluate", "stages.ppo", "stages.reward"}
