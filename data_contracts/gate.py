@@ -9,6 +9,7 @@ No Prefect here: the flow calls `check_handoff` from a plain task and publishes 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from data_contracts.suites import SUITES, derive
-from stages import registry
+from stages import registry, tracking
 from stages.config import PipelineConfig
 from stages.tracking import CONTRACT_TAG
 
@@ -160,13 +161,11 @@ def _failures(result: dict, max_examples: int) -> list[Failure]:
 
 def _context():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    import logging
-
-    import great_expectations as gx
+    import great_expectations as gx  # deferred: seconds to load, and only after GX_ANALYTICS_ENABLED is set
 
     for name in ("great_expectations", "great_expectations.data_context.types.base"):  # "created temporary directory…"
         logging.getLogger(name).setLevel(logging.WARNING)
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    from great_expectations.data_context.types.base import ProgressBarsConfig  # deferred: as gx above
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
@@ -175,7 +174,7 @@ def _context():
 
 def validate(suite: str, frame: pd.DataFrame, cfg: PipelineConfig, docs_dir: Path | None = None) -> SuiteReport:
     """Run one suite on a frame (ephemeral GX context); with docs_dir, build Data Docs there."""
-    import great_expectations as gx
+    import great_expectations as gx  # deferred: as above
 
     context = _context()
     if docs_dir is not None:
@@ -252,8 +251,6 @@ def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, ml
 
 def check_handoff(stage: str, outputs: dict[str, str], cfg: PipelineConfig) -> GateReport | None:
     """The gate after `stage`, on the probe frames named in its outputs (None: no contract yet)."""
-    from stages import tracking
-
     spec = registry.get(stage)
     if not spec.contract:
         return None

@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import yaml
+from filelock import FileLock
 
 from flows import services
-from stages import allocator
+from stages import allocator, interrupt, plan, registry, runs, tracking
+from stages.config import ConfigError, config_fields, load_config, rlhf_home
+from stages.data import own_sources
+from stages.plan import TRAINING_STAGES
+from stages.sources import DataError, ModelError, data_dir, resolve_local
 
 
 def _env_defaults() -> None:
@@ -70,13 +82,9 @@ def _open_stores() -> None:
     """Open the Prefect database (the ephemeral API server creates or migrates it as it starts)
     and the MLflow SQLite store, each under a file lock: two `rlhf run`s started at once on a
     fresh home would otherwise both create the same tables ("table ... already exists")."""
-    from pathlib import Path
-
-    from filelock import FileLock
-    from prefect.client.orchestration import get_client
+    from prefect.client.orchestration import get_client  # deferred, as all of Prefect here: seconds to load
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
-    from stages import tracking
 
     if not PREFECT_API_URL.value():
         home = Path(PREFECT_HOME.value())
@@ -94,9 +102,7 @@ def _open_stores() -> None:
 def _stop_on_signals():
     """While the flow runs here: SIGINT/SIGTERM ask the running stage to stop at its next step
     boundary (stages/interrupt.py); the previous handlers come back afterwards."""
-    import signal
 
-    from stages import interrupt
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     interrupt.install_handlers()
@@ -119,10 +125,6 @@ def _supervise(argv: list[str]) -> int:
     the child alone, whose stage stops at its next step boundary; a second kills the child's
     session at once. The child's output passes through; this process notes the pipeline run it
     names, for the resume command."""
-    import re
-    import signal
-    import subprocess
-    import threading
 
     env = allocator.environment({**os.environ, SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
     child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=env, start_new_session=True,
@@ -168,10 +170,8 @@ def _supervise(argv: list[str]) -> int:
 def _check_runs_exist(args: argparse.Namespace) -> None:
     """--from-run and --resume name pipeline runs of the store: a wrong id is a one-line error
     before any stage starts."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred, as MLflow below: only where a store is read
 
-    from stages import tracking
-    from stages.config import ConfigError
 
     for flag, run_id in (("--from-run", args.from_run), ("--resume", args.resume)):
         if not run_id or run_id == "latest":
@@ -220,11 +220,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from stages import runs
-
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: MLflow
 
     run_a, run_b = args.runs
     png = Path(args.png or f"rlhf-compare-{run_a[:8]}-{run_b[:8]}.png")
@@ -240,7 +236,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _parse_arms(specs: list[str]) -> dict[str, dict]:
     """`--arm 'NAME={ppo.actor_lr: 1.0e-4}'` (repeatable) → {NAME: overrides}."""
-    from stages.config import ConfigError
 
     arms: dict[str, dict] = {}
     for spec in specs:
@@ -257,8 +252,6 @@ def _parse_arms(specs: list[str]) -> dict[str, dict]:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from stages.config import ConfigError, load_config
-
     if args.resume and (args.preset or args.overrides):
         raise ConfigError(f"--resume {args.resume}: a resumed study keeps the config it started with; leave out "
                           f"--preset/--set (--arm adds an arm)")
@@ -266,11 +259,10 @@ def _study(args: argparse.Namespace) -> int:
     new_arms = _parse_arms(args.arms)
     if not args.resume:
         load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
-    from prefect.exceptions import CancelledRun
+    from prefect.exceptions import CancelledRun  # deferred: Prefect
 
-    from data_contracts import ContractError
-    from flows.study import study
-    from stages import tracking
+    from data_contracts import ContractError  # deferred: Great Expectations and Prefect load only for a run
+    from flows.study import study  # deferred: Prefect
 
     _open_stores()
     try:
@@ -283,7 +275,6 @@ def _study(args: argparse.Namespace) -> int:
         print(f"rlhf: {err}\nThe gate's report is in MLflow run {err.report.run_id} under contracts/; continue "
               f"the study with: {services.command('rlhf')} study --resume <study run id> (printed above)", file=sys.stderr)
         return 2
-    from stages.config import rlhf_home
 
     folder = rlhf_home() / "studies" / study_id
     print(f"\nStudy run {study_id} finished.\n\n{(folder / 'study.md').read_text()}\nFigure: {folder / 'study.png'} "
@@ -308,7 +299,6 @@ def _explain(cfg, preset: str, overrides: list[str]) -> str:
     """`rlhf config --explain`: every field of the resolved config, one line each: dotted name =
     value, then the typed default and what changed it (the preset or --set), then the
     description, which names the value's source. Sections are comment headings."""
-    from stages.config import ConfigError, config_fields, load_config
 
     by_preset: dict | None = None
     if overrides:
@@ -433,9 +423,9 @@ def config_reference() -> str:
 
 def _precision_line(cfg) -> str:
     """What model.precision resolves to on this machine (a YAML comment)."""
-    import torch
+    import torch  # deferred: torch only for the precision line
 
-    from stages import precision
+    from stages import precision  # deferred: imports torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return (f"# model.precision {cfg.model.precision} resolves to {precision.resolve(cfg.model.precision, device)} "
@@ -451,7 +441,6 @@ def _allocator_line() -> str:
 
 def _plan_overrides(args: argparse.Namespace) -> list[str]:
     """--world-size / --deepspeed: the same launch for every training stage, as --set lines."""
-    from stages.plan import TRAINING_STAGES
 
     extra = []
     for stage in TRAINING_STAGES:
@@ -464,8 +453,6 @@ def _plan_overrides(args: argparse.Namespace) -> list[str]:
 
 def _plan(args: argparse.Namespace) -> int:
     """`rlhf plan`: the predicted memory table and whether every stage fits (exit 1 if not)."""
-    from stages import plan
-    from stages.config import load_config
 
     args.preset = args.preset or "demo"
     cfg = load_config(args.preset, [*args.overrides, *_plan_overrides(args)])
@@ -482,8 +469,6 @@ def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None
     """`rlhf run`: refuse, before Prefect starts or any MLflow run exists, a config whose predicted
     peak memory does not fit a stage's device (--ignore-plan goes on). A model whose shape cannot be
     read without its weights (a hub model not in the local cache) is not planned: a note says so."""
-    from stages import plan
-    from stages.config import ConfigError
 
     try:
         predicted = plan.plan(cfg, stages=stages, memory_gib=args.device_memory)
@@ -497,12 +482,7 @@ def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None
 
 
 def _serve_reward(args) -> int:
-    import signal
-    from pathlib import Path
-
-    from stages import tracking
-    from stages.config import ConfigError, load_config
-    from stages.reward.serve import RewardScorer, make_server, token_from_env
+    from stages.reward.serve import RewardScorer, make_server, token_from_env  # deferred: imports torch
 
     cfg = load_config(args.preset)
     token = token_from_env(args.auth_env)
@@ -532,9 +512,6 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def _die_with_the_supervisor() -> None:
     """In the supervised child: if the supervisor dies (SIGKILL leaves it no word to say), take this
     process's group with it (the Prefect API server and any ranks it started)."""
-    import signal
-    import threading
-    import time
 
     supervisor = os.getppid()
 
@@ -548,8 +525,6 @@ def _die_with_the_supervisor() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the console command (not a caller's main([...]), whose stderr may be no file)
-        import faulthandler
-        import signal
 
         # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -632,10 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_reward.add_argument("--auth-env", default=None, metavar="VAR",
                               help="require `Authorization: Bearer $VAR` (the token is read from the environment)")
 
-    runs = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
-    runs.add_argument("--experiment", default="rlhf")
-    runs.add_argument("--preset", default=None, help="only runs of this preset")
-    runs.add_argument("--limit", type=int, default=10)
+    runs_command = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
+    runs_command.add_argument("--experiment", default="rlhf")
+    runs_command.add_argument("--preset", default=None, help="only runs of this preset")
+    runs_command.add_argument("--limit", type=int, default=10)
 
     compare = sub.add_parser("compare", help="compare two pipeline runs: headline table, PNG of the PPO curves")
     compare.add_argument("runs", nargs=2, metavar="RUN", help="pipeline run ids")
@@ -651,8 +626,6 @@ def main(argv: list[str] | None = None) -> int:
                            f"markdown, whatever the preset: `{REFERENCE_COMMAND}`")
 
     args = parser.parse_args(argv)
-    from stages.config import ConfigError, load_config
-    from stages.sources import DataError, ModelError
 
     try:
         if args.command == "config" and args.markdown:
@@ -670,9 +643,9 @@ def main(argv: list[str] | None = None) -> int:
             print(_allocator_line())
             return 0
         if args.command == "serve":
-            from prefect import serve as prefect_serve
+            from prefect import serve as prefect_serve  # deferred: Prefect
 
-            from flows.rlhf import deployments
+            from flows.rlhf import deployments  # deferred: Prefect
 
             prefect_serve(*deployments(args.preset))
             return 0
@@ -685,8 +658,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")
             return 0
         if args.command == "runs":
-            from stages import runs, tracking
-
             print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
             return 0
         if args.command == "compare":
@@ -703,25 +674,20 @@ def main(argv: list[str] | None = None) -> int:
         args.preset = args.preset or "demo"
         cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
         stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-        from stages import registry
 
         unknown = [name for name in stages or () if name not in registry.STAGES]
         if unknown:
             raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
         if not args.resume and (stages is None or "data" in stages):
-            from stages.data import own_sources
-            from stages.sources import data_dir, resolve_local
-
             for spec in (cfg.data.pairs, *own_sources(cfg.data).values()):
                 resolve_local(spec, data_dir(cfg.data))
         if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
             _check_plan(args, cfg, stages)
-        from flows.rlhf import rlhf
-        from stages import tracking
+        from flows.rlhf import rlhf  # deferred: Prefect
 
-        from data_contracts import ContractError
+        from data_contracts import ContractError  # deferred: Great Expectations
 
-        from prefect.exceptions import CancelledRun
+        from prefect.exceptions import CancelledRun  # deferred: Prefect
 
         state = None
         try:
@@ -754,7 +720,6 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("prefect").setLevel(logging.WARNING)
             print(failure, file=sys.stderr)
             return 1
-        from stages import runs
 
         print(f"\n{runs.ending(run_id).text}\n\nMLflow store: {tracking.tracking_uri()}\n"
               f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")

@@ -40,7 +40,7 @@ def stage_cache_key(context, parameters: dict[str, Any]) -> str:
     store those URIs live in."""
     stage, cfg, inputs = parameters["stage"], parameters["cfg"], parameters["inputs"]
     key = {"stage": stage, "inputs": {name: inputs[name] for name in registry.get(stage).inputs if name in inputs},
-           "config": cfg.stage_hash(stage), "store": tracking.tracking_uri()}
+           "config": registry.get(stage).config_hash(cfg), "store": tracking.tracking_uri()}
     return f"{stage}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}"
 
 
@@ -61,7 +61,7 @@ def use_aws_credentials_block() -> None:
     name = os.environ.get("RLHF_AWS_CREDENTIALS_BLOCK")
     if not name:
         return
-    from prefect_aws import AwsCredentials
+    from prefect_aws import AwsCredentials  # deferred: the optional s3 extra
 
     block = AwsCredentials.load(name)
     secret = block.aws_secret_access_key
@@ -204,6 +204,8 @@ def rlhf(
     unknown = [name for name in stages if name not in registry.STAGES]
     if unknown:
         raise ValueError(registry.unknown_stage_message(unknown))
+    for name in stages:  # a setting a later stage cannot run with fails before the first one runs
+        registry.get(name).check(cfg)
     if from_run == "latest":
         from_run = tracking.latest_pipeline_run(cfg)
         if from_run is None:

@@ -15,6 +15,7 @@ DeepSpeed engines, with the manifest check and the full-disk error that a resume
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,6 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
-from stages.sources import file_digest
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"  # the stage's own state
@@ -39,6 +39,14 @@ class DiskFullError(RuntimeError):
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # A write that failed with less than this free on its filesystem failed for want of space.
 FULL_BELOW_BYTES = 64 * 2**20
+
+
+def file_digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def _save_file(path: Path, write) -> None:

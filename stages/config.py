@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -600,24 +600,14 @@ class PPOConfig(_TrainingSection):
         return self
 
     @model_validator(mode="after")
-    def _algorithms_are_registered_and_fit_the_groups(self) -> PPOConfig:
+    def _groups_divide_the_rollout(self) -> PPOConfig:
+        # The names advantage_estimator and policy_loss are checked by their registries (the stages'
+        # `check`, stages/ppo/trainer.py:check_algorithms), which live with the torch code.
         k = self.samples_per_prompt
         if self.rollout_batch_size % k:
             raise ValueError(f"rollout_batch_size={self.rollout_batch_size} is not a multiple of samples_per_prompt={k}: "
                              f"an iteration rolls out rollout_batch_size / samples_per_prompt prompts, each "
                              f"samples_per_prompt times")
-        # The registries import torch: the defaults (gae with any k, ppo_clip) are checked without them.
-        if self.advantage_estimator != "gae":
-            from stages.ppo.advantages import advantage_estimator
-
-            needed = advantage_estimator(self.advantage_estimator).min_samples_per_prompt
-            if k < needed:
-                raise ValueError(f"advantage_estimator={self.advantage_estimator} compares the samples of one prompt: "
-                                 f"it needs samples_per_prompt ≥ {needed} (got {k}); e.g. ppo.samples_per_prompt=4")
-        if self.policy_loss != "ppo_clip":
-            from stages.losses import registered_policy_loss
-
-            registered_policy_loss(self.policy_loss)
         return self
 
     def switches(self) -> dict:
@@ -650,6 +640,19 @@ class CriticConfig(_TrainingSection):
                              "RNG, prompt position) every N rollouts and when a stop is asked; `rlhf run --resume` "
                              "continues from the newest. 0: only on a stop. ours: a killed run loses at most 5 "
                              "rollouts (20 steps at the defaults); one checkpoint of a 135M critic is ~1.6 GB.")
+
+
+# What critic pre-training takes from `ppo`, with the fields' types, defaults and help.
+CriticRollouts = create_model(
+    "CriticRollouts", __base__=_Section, __module__=__name__,
+    __doc__="""PPO's settings critic pre-training reads (paper §5.4: the critic learns on PPO's rollouts,
+    score shaping and GAE returns). `PipelineConfig.critic_ppo` builds the critic's PPO settings from
+    these and the critic section alone, so a PPO-only setting (`ppo.iterations`, `ppo.actor_lr`)
+    reuses a critic trained before, and one read here retrains it.""",
+    **{name: (PPOConfig.model_fields[name].annotation, PPOConfig.model_fields[name]) for name in (
+        "preset", "advantage_estimator", "samples_per_prompt", "score_mode", "eos_penalty", "value_clip", "reward",
+        "reward_timeout_s", "reward_retries", "reward_auth_env", "gamma", "lam", "score_clip", "value_clip_eps",
+        "eos_penalty_sigmas", "max_prompt_len", "generation")})
 
 
 class CEvalConfig(_Section):
@@ -895,12 +898,17 @@ class PipelineConfig(_Section):
             payload[name] = value
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
-    def stage_hash(self, stage: str) -> str:
-        """Hash of what `stage`'s outputs depend on besides its inputs (its registry entry's
-        `config`): its lineage tag `rlhf.config_hash` and, with its input URIs, its cache key."""
-        from stages.registry import get
-
-        return self.section_hash(*get(stage).config)
+    def critic_ppo(self) -> PPOConfig:
+        """The PPO settings critic pre-training runs PPO's trainer with: the `CriticRollouts` fields of
+        `ppo`, the critic's own batch sizes, lr, clip and seed (one pass over each rollout), and every
+        other PPO field at its default. So the critic reads nothing of `ppo` beyond `CriticRollouts`,
+        which with the critic section is its cache key (stages/registry.py)."""
+        critic = self.critic
+        return PPOConfig(**CriticRollouts.model_validate(self.ppo, from_attributes=True).model_dump(),
+                         rollout_batch_size=critic.rollout_batch_size, minibatch_size=critic.minibatch_size,
+                         critic_lr=critic.lr, critic_weight_decay=critic.weight_decay,
+                         max_grad_norm=critic.max_grad_norm, adam_betas=critic.adam_betas, seed=critic.seed,
+                         max_nonfinite_steps=critic.max_nonfinite_steps, ppo_epochs=1)
 
     def config_hash(self) -> str:
         return self.section_hash(*(n for n in type(self).model_fields if n != "preset"))

@@ -17,9 +17,20 @@ from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
-from stages.ppo.trainer import PPOTrainer, explained_variance
+from stages.ppo.advantages import needs_critic
+from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
 from stages.reward.model import save_reward_model, scorer_pack
-from stages.training import masked_mean, trained_model
+from stages.tensors import masked_mean
+from stages.training import trained_model
+
+
+def check(cfg: PipelineConfig) -> None:
+    check_algorithms(cfg.ppo)
+
+
+def skip_reason(cfg: PipelineConfig) -> str | None:
+    """A critic-free advantage estimator (grpo, rloo, reinforce++) trains no critic."""
+    return None if needs_critic(cfg.ppo) else f"ppo.advantage_estimator={cfg.ppo.advantage_estimator} trains no critic"
 
 
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
@@ -59,18 +70,15 @@ class CriticTraining(lifecycle.TrainingStage):
 
     def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
         critic_cfg = self.critic_cfg = cfg.critic
+        # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr:
+        # everything the critic reads of `ppo` is in its cache key (config.CriticRollouts).
+        ppo = cfg.critic_ppo()
+        cfg = cfg.model_copy(update={"ppo": ppo})
         self.cfg, self.inputs, self.dist = cfg, inputs, dist
         torch.manual_seed(critic_cfg.seed)
         self.tokenizer, policy, _, self.reward_model, critic, score_fn = load_models(cfg, inputs, dist, train_actor=False)
         prompts = encode_prompts(self.tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"),
-                                 cfg.ppo.max_prompt_len)
-        # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr.
-        ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
-                                         "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
-                                         "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
-                                         "max_nonfinite_steps": critic_cfg.max_nonfinite_steps,
-                                         "adam_betas": critic_cfg.adam_betas,
-                                         "critic_weight_decay": critic_cfg.weight_decay, "ppo_epochs": 1})
+                                 ppo.max_prompt_len)
         # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
         self.trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
                                   ptx_examples=[], tokenizer=self.tokenizer, dist=dist,

@@ -347,7 +347,7 @@ def splits_digest(splits: dict[str, list[dict]]) -> str:
 def raw_pairs_frame(records: list[dict], data: DataConfig, source: str) -> "pd.DataFrame":
     """Every raw row, before anything is dropped: the prompt of each answer and the answers.
     Call after `load_pairs` (which rejects rows that cannot be read as pairs at all)."""
-    import pandas as pd
+    import pandas as pd  # deferred: pandas only for the data probes
 
     rows = []
     for record in records:
@@ -359,7 +359,7 @@ def raw_pairs_frame(records: list[dict], data: DataConfig, source: str) -> "pd.D
 
 def splits_frame(splits: dict[str, list[dict]]) -> "pd.DataFrame":
     """All split rows with their split name."""
-    import pandas as pd
+    import pandas as pd  # deferred: as above
 
     rows = [{"row": r["row"], "split": name, "prompt": r["prompt"], "chosen": r.get("chosen", ""),
              "rejected": r.get("rejected", "")}  # prompt-only and SFT sources have no answers to compare

@@ -17,65 +17,15 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
-from stages import allocator, registry
+from stages import allocator, registry, tracking
+from stages.dist import Dist
 from stages.interrupt import RanksRunning, StageInterrupted
 from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
 
 class StageLaunchError(RuntimeError):
     """The ranks of a stage failed; the message holds the tail of their output."""
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    deepspeed_config: dict | None = None
-    device: str = "cpu"
-    workdir: Path | None = None  # the stage's local folder (checkpoints), the same on every rank
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def zero_stage(self) -> int | str:
-        """The ZeRO stage these ranks train under, or "none" (plain PyTorch)."""
-        return (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none")
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        if not self.distributed:
-            return list(values)
-        import torch
-        import torch.distributed as torch_dist
-
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        torch_dist.all_reduce(tensor)
-        return tensor.tolist()
-
-    def gather_rows(self, count: int, columns: dict[str, list[float]]) -> dict[str, list[float]]:
-        """Whole columns of `count` rows, in row order, from each rank's strided share
-        (`rows[rank::world_size]`): every rank fills its positions of zeroed columns, ranks sum."""
-        flat = []
-        for values in columns.values():
-            full = [0.0] * count
-            for position, value in zip(range(self.rank, count, self.world_size), values):
-                full[position] = float(value)
-            flat += full
-        summed = self.all_reduce_sum(flat)
-        return {name: summed[k * count : (k + 1) * count] for k, name in enumerate(columns)}
-
-    def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as torch_dist
-
-            torch_dist.barrier()
 
 
 def _resolve_deepspeed_config(name: str) -> dict:
@@ -125,7 +75,7 @@ def rank_command(stage: str, launch, spec_path: Path) -> tuple[list[str], int]:
 
 def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict) -> dict:
     """Run one stage as a child MLflow run of the pipeline run; returns its outputs."""
-    from stages import precision, tracking
+    from stages import precision  # deferred: imports torch, which the flow needs not to launch ranks
 
     spec = registry.get(stage)
     missing = [name for name in spec.inputs if name not in inputs and name not in spec.optional_inputs]
@@ -157,7 +107,7 @@ def in_process(cfg: PipelineConfig, stage: str) -> bool:
 
 def stage_device(cfg: PipelineConfig, stage: str) -> str:
     """Where a stage computes: its ranks use the GPU when there is one (`_rank_main`); in-process, the CPU."""
-    import torch
+    import torch  # deferred: as precision in execute
 
     return "cuda" if not in_process(cfg, stage) and torch.cuda.is_available() else "cpu"
 
@@ -220,7 +170,7 @@ def _run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict, downloads
 
 def _rank_main(spec_path: str) -> None:
     """Entry point of one rank (`python -m stages.launch SPEC` under torchrun or the deepspeed launcher)."""
-    import torch
+    import torch  # deferred: only a rank's process needs it
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = PipelineConfig.model_validate(spec["config"])
@@ -235,7 +185,7 @@ def _rank_main(spec_path: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # torch 2.13 deprecates a collective DeepSpeed's ZeRO calls every step.
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    import deepspeed
+    import deepspeed  # deferred: DS_ACCELERATOR above must be set before it loads
 
     if not on_gpu:
         # DeepSpeed's CPU backend JIT-compiles (g++, on a fresh machine) a shared-memory all-reduce
@@ -247,8 +197,6 @@ def _rank_main(spec_path: str) -> None:
                 workdir=Path(spec["workdir"]))
     tracker = None
     if dist.is_main:
-        from stages import tracking
-
         tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     started = time.perf_counter()

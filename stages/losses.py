@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.logprobs import token_logprobs
-from stages.training import masked_mean
+from stages.tensors import masked_mean
 
 
 def next_token_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
+from stages import sources
 from stages.config import GenerationConfig, PipelineConfig
+from stages.data import HH_CHAT_TEMPLATE
 
 Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
 
@@ -44,7 +46,7 @@ def generation_defaults(sampling: GenerationConfig, tokenizer):
     sampled with). A model saved without one gets, in a transformers text-generation pipeline, that
     pipeline's own defaults (sampling at temperature 0.7, 256 new tokens) instead of ours. Its
     repetition_penalty lowers the prompt's tokens too, except in the pyfunc (`stages.mlflow_chat`)."""
-    import transformers
+    import transformers  # deferred: transformers only where a model is packed
 
     # Greedy: transformers refuses to save a config with sampling flags that would not be used.
     sampled = ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
@@ -61,11 +63,8 @@ def chat(cfg: PipelineConfig) -> Pack:
     model_cfg, sampling = cfg.model, cfg.eval.generation
 
     def pack(folder: Path, path: Path, mlflow_model) -> None:
-        import mlflow.transformers
+        import mlflow.transformers  # deferred, as transformers below: only where a chat model is packed
         from transformers import AutoTokenizer
-
-        from stages import sources
-        from stages.data import HH_CHAT_TEMPLATE
 
         # MLflow 3.17's checkpoint-path route (`transformers_model=<folder>`) fails under transformers 5
         # (flavor_config.py reads `check_task(...)["impl"].__name__`, now a string): the pipeline's
@@ -94,7 +93,7 @@ def hf_folder(root: Path) -> Path:
     version registered before models were MLflow models is that folder itself."""
     if not (root / MLMODEL_FILE).exists():
         return root
-    from mlflow.models import Model
+    from mlflow.models import Model  # deferred: MLflow only where a model is logged
 
     flavors = Model.load(str(root / MLMODEL_FILE)).flavors
     if "transformers" in flavors:

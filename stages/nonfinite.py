@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from stages.launch import Dist
+from stages.dist import Dist
 
 
 class NonFiniteError(RuntimeError):

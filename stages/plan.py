@@ -39,7 +39,9 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from stages import registry, sources
 from stages.config import REPO_ROOT, ConfigError, ModelConfig, PipelineConfig, deepspeed_config_path
+from stages.launch import hostfile_slots, stage_device
 
 GiB = 1024**3
 ARCHITECTURES_DIR = REPO_ROOT / "infra" / "architectures"
@@ -138,8 +140,6 @@ def read_architecture(model: ModelConfig, explicit: str | None = None) -> Archit
     """The model's shape from its config alone: an explicit config.json, the random Llama's
     settings, a GGUF file's metadata (or its de-quantised copy's config.json when the cache has
     it), a local folder's config.json, or a hub model's config.json in the local hub cache."""
-    from stages import sources
-
     if explicit:
         path = architecture_file(explicit)
         return Architecture.from_config(_read_json(path), str(path))
@@ -155,7 +155,7 @@ def read_architecture(model: ModelConfig, explicit: str | None = None) -> Archit
         cached = sources.cache_dir() / sources.gguf_cache_key(gguf) / "config.json"
         if cached.exists():
             return Architecture.from_config(_read_json(cached), str(cached))
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # deferred: imports torch
 
         # the metadata only: return_tensors=False reads no tensor
         values = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
@@ -163,7 +163,7 @@ def read_architecture(model: ModelConfig, explicit: str | None = None) -> Archit
     local = Path(spec).expanduser()
     if local.is_dir():
         return Architecture.from_config(_read_json(local / "config.json"), str(local / "config.json"))
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # deferred: only for a hub model
 
     found = try_to_load_from_cache(spec, "config.json")
     if isinstance(found, str):
@@ -355,7 +355,7 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
     each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight on SmolLM2's
     shapes). The sizes are asked of the libraries themselves, each shape once; 0 where nothing is
     packed."""
-    from stages.models.llama import mkl_packing_pays
+    from stages.models.llama import mkl_packing_pays  # deferred: imports torch
 
     if precision == "fp32" and not mkl_packing_pays():
         return 0
@@ -364,9 +364,9 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
 
 @functools.lru_cache(maxsize=None)
 def _packed_bytes(shape: tuple[int, int], rows: int, precision: str) -> int:
-    import torch
+    import torch  # deferred, as the import below: the plan of a config alone loads no torch
 
-    from stages.models.llama import _mkl_pack, _onednn_pack
+    from stages.models.llama import _mkl_pack, _onednn_pack  # deferred: as torch above
 
     if precision == "bf16":
         packed = _onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
@@ -434,7 +434,6 @@ def _ranks_per_host(cfg: PipelineConfig, stage: str) -> int:
     launch = getattr(cfg, stage).launch
     if launch.hostfile is None:
         return launch.world_size
-    from stages.launch import hostfile_slots
 
     return max(hostfile_slots(launch.hostfile)[1].values())
 
@@ -458,12 +457,11 @@ def reward_batch_tokens(r) -> int:
 
 
 def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str | None = None) -> StagePlan:
-    from stages import precision as precisions
-    from stages import registry
-    from stages.launch import stage_device
+    import torch  # deferred, as the imports of torch code below: the CLI imports this module without torch
+
+    from stages import precision as precisions  # deferred: imports torch
 
     device = device or stage_device(cfg, stage)
-    import torch
 
     if device == "cuda" and cfg.model.precision == "auto" and not torch.cuda.is_available():
         resolved = "bf16"  # planning for GPUs from a machine without one: auto is bf16 on every GPU since Ampere
@@ -471,7 +469,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         resolved = precisions.resolve(cfg.model.precision, device)
     element = 2 if resolved == "bf16" else 4
     sharding = stage_sharding(cfg, stage)
-    from stages.models import FAST_PATHS
+    from stages.models import FAST_PATHS  # deferred: as torch above
 
     fast_path = cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS
     explicit_attention = fast_path and device == "cpu" and resolved == "bf16"  # `llama.attention` with gradients
@@ -483,7 +481,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
 
     def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
-        from stages.training import steps_from_bf16
+        from stages.training import steps_from_bf16  # deferred: as torch above
 
         if role is not None and role.trained and sharding.zero is None and steps_from_bf16(device, resolved,
                                                                                             grad_accum_steps):
@@ -523,7 +521,7 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         prompt, new = p.max_prompt_len, p.generation.max_new_tokens
         length = prompt + new
         train_actor = stage == "ppo"
-        from stages.ppo.advantages import needs_critic
+        from stages.ppo.advantages import needs_critic  # deferred: as torch above
 
         actor = states("actor" if train_actor else "actor (frozen)", psi, train_actor)
         roles = [actor]
@@ -637,7 +635,7 @@ def device_memory(device: str) -> int:
     """Bytes a stage may use: a CUDA device's total memory; on a CPU the host's available RAM
     (MemAvailable: what can be allocated without swapping out others)."""
     if device == "cuda":
-        import torch
+        import torch  # deferred: only for a GPU
 
         return torch.cuda.get_device_properties(0).total_memory
     try:

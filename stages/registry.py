@@ -4,18 +4,23 @@ lineage config hash, the contract gates, `rlhf runs`, the served deployments and
 
 Adding a stage is its module (`run(cfg, tracker, inputs, dist) -> outputs`, optionally
 `prepare(cfg, inputs, downloads) -> dict`, work done once in the launching process before any rank
-starts; what it copies from a remote store goes into `downloads`, deleted when the stage ends),
-its config class (a section of `PipelineConfig`) and one `Stage` entry here (or `register(...)`).
-See docs/architecture.md.
+starts; what it copies from a remote store goes into `downloads`, deleted when the stage ends;
+optionally `check(cfg)`, which raises a ConfigError for a setting the stage cannot run with, and
+`skip_reason(cfg)`, why this configuration needs no such stage), its config class (a section of
+`PipelineConfig`) and one `Stage` entry here (or `register(...)`). See docs/architecture.md.
+
+The stage modules are named, not imported: this table sits below them in the import rule
+(pyproject.toml [tool.importlinter]), and `Stage.load` imports one only when it is asked about.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
+
+from stages.config import CriticRollouts, PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,6 @@ class Stage:
     # Metrics `rlhf runs` and a run's ending show, in order (`*` matches any part of a name); one
     # logged at step 0 and again later shows as before → after.
     headline: tuple[str, ...] = ()
-    # Why this configuration does not run the stage (None: it runs), e.g. a critic-free estimator.
-    skip_reason: Callable[[object], str | None] | None = None
 
     @property
     def run_output(self) -> str:
@@ -50,23 +53,21 @@ class Stage:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
-    def skipped(self, cfg) -> str | None:
-        return self.skip_reason(cfg) if self.skip_reason else None
+    def config_hash(self, cfg: PipelineConfig) -> str:
+        """Hash of what the stage's outputs depend on besides its inputs (`config`): its lineage tag
+        `rlhf.config_hash` and, with its input URIs, its cache key."""
+        return cfg.section_hash(*self.config)
 
+    def check(self, cfg: PipelineConfig) -> None:
+        """The stage module's `check(cfg)`, if it has one: the flow runs it before any stage starts."""
+        check = getattr(self.load(), "check", None)
+        if check is not None:
+            check(cfg)
 
-# What the critic stage reads of the `ppo` section (stages/critic.py runs PPO's rollouts, score
-# shaping and GAE with its own batch sizes, lr and seed): PPO-only settings such as
-# `ppo.iterations` or `ppo.actor_lr` do not retrain the critic.
-CRITIC_READS_FROM_PPO = tuple(f"ppo.{name}" for name in (
-    "preset", "advantage_estimator", "samples_per_prompt", "score_mode", "eos_penalty", "value_clip", "reward",
-    "gamma", "lam", "score_clip",
-    "value_clip_eps", "eos_penalty_sigmas", "max_prompt_len", "generation"))
-
-def _without_a_critic(cfg) -> str | None:
-    """The critic stage's skip: a critic-free advantage estimator (grpo, rloo, reinforce++) trains none."""
-    from stages.ppo.advantages import needs_critic
-
-    return None if needs_critic(cfg.ppo) else f"ppo.advantage_estimator={cfg.ppo.advantage_estimator} trains no critic"
+    def skipped(self, cfg: PipelineConfig) -> str | None:
+        """Why this configuration does not run the stage (its module's `skip_reason(cfg)`), or None."""
+        skip_reason = getattr(self.load(), "skip_reason", None)
+        return skip_reason(cfg) if skip_reason is not None else None
 
 
 PIPELINE = ("model", "data", "sft", "reward")  # the sections every model stage depends on, in order
@@ -117,10 +118,12 @@ for _stage in (
     Stage("reward", "stages.reward", config=(*PIPELINE, "statistics.ci_level"), inputs=("splits", "sft_model"),
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
           contract={"reward": "reward_probe"}, resumes=True, headline=("eval/accuracy", "eval/margin")),
-    Stage("critic", "stages.critic", config=(*PIPELINE, "critic", *CRITIC_READS_FROM_PPO),
+    # The critic reads of `ppo` only what PipelineConfig.critic_ppo passes on: CriticRollouts' fields.
+    Stage("critic", "stages.critic",
+          config=(*PIPELINE, "critic", *(f"ppo.{name}" for name in CriticRollouts.model_fields)),
           inputs=("splits", "sft_model", "reward_model"), outputs=("critic_model", "critic_model_artifact", "critic_probe"),
           registers="critic", model_output="critic_model", contract={"critic": "critic_probe"}, resumes=True,
-          headline=("critic/final_value_loss", "critic/final_explained_variance"), skip_reason=_without_a_critic),
+          headline=("critic/final_value_loss", "critic/final_explained_variance")),
     # ppo reads contracts.policy: the live collapse guard checks its bands at each held-out evaluation.
     Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo", "contracts.policy", "statistics"),
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),

@@ -4,6 +4,7 @@ they differ, and their PPO curves in one figure."""
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import json
 from dataclasses import dataclass
@@ -120,8 +121,6 @@ def _cell(value: str, width: int = 48) -> str:
 
 def format_runs(runs: list) -> str:
     """One block per pipeline run: id, name, status, start, origin; a line per stage."""
-    import datetime
-
     blocks = []
     for run in runs:
         tags = run.data.tags
@@ -173,10 +172,10 @@ def compare(run_a: str, run_b: str, png: Path) -> str:
 
 
 def _plot_ppo_curves(ppo_views: list[StageView | None], names: list[str], png: Path) -> None:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib only for `rlhf compare`
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend
     from matplotlib.ticker import MaxNLocator
 
     mlflow_client = tracking.client()

@@ -115,7 +115,7 @@ def _read_csv(path: Path) -> Iterator[dict]:
 
 
 def _read_parquet(path: Path) -> Iterator[dict]:
-    import pandas as pd
+    import pandas as pd  # deferred: pandas and pyarrow only for a parquet file
     import pyarrow
 
     try:
@@ -137,7 +137,7 @@ def _read_parquet(path: Path) -> Iterator[dict]:
 
 def _read_hub(spec: str, cfg: DataConfig) -> Iterator[dict]:
     try:
-        import datasets
+        import datasets  # deferred: the optional hub extra
     except ImportError:
         raise DataError(spec, None, "not a local file; loading from the hub needs `pip install datasets`") from None
     dataset = datasets.load_dataset(spec, data_dir=cfg.hub_data_dir, split=cfg.hub_split)
@@ -162,14 +162,6 @@ def read_records(spec: str, cfg: DataConfig) -> tuple[str, list[dict]]:
     else:
         raise DataError(str(path), None, f"unknown format; use one of {', '.join(LOCAL_SUFFIXES)}")
     return str(path.resolve()), rows
-
-
-def file_digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +207,7 @@ BPE_SPECIALS = ["<|endoftext|>", "<|pad|>"]
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int, out: Path) -> None:
     """A byte-level BPE tokenizer trained on `texts` (seconds for a few MB), saved as HF files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # deferred: only to build one
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -265,7 +257,7 @@ def _convert_gguf(path: Path, cfg: ModelConfig, out: Path) -> None:
     """De-quantise a GGUF model into a plain safetensors folder. transformers refuses to save the
     GGUF-loaded model itself (its config still says "quantized"), so the weights are copied into
     a model built from a cleaned config."""
-    import torch
+    import torch  # deferred, as every torch and transformers import here: `rlhf run` reads data without them
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -284,7 +276,7 @@ def _convert_gguf(path: Path, cfg: ModelConfig, out: Path) -> None:
 
 def _quiet_transformers() -> None:
     """No "Loading weights" / "Writing model shards" bars: the stages show their own progress."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: as torch above
 
     hf_logging.disable_progress_bar()
 
@@ -326,7 +318,7 @@ def materialise_model(cfg: ModelConfig, corpus: Callable[[], list[str]] | None =
 
 
 def _random_llama(cfg: ModelConfig, tok_dir: Path, out: Path) -> None:
-    import torch
+    import torch  # deferred: as above
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -352,7 +344,7 @@ def _random_llama(cfg: ModelConfig, tok_dir: Path, out: Path) -> None:
 
 
 def load_tokenizer(model_dir: str, cfg: ModelConfig):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: as above
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if cfg.pad_token and cfg.pad_token in tokenizer.get_vocab():
@@ -368,7 +360,7 @@ def load_tokenizer(model_dir: str, cfg: ModelConfig):
 def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
     """A causal LM from a local folder of safetensors, its weights in `dtype` (default fp32: a model
     to train; frozen ones load in the run's precision, `stages.precision.dtype`)."""
-    import torch
+    import torch  # deferred: as above
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -384,7 +376,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype or torch.float32, use_safetensors=True, trust_remote_code=cfg.trust_remote_code
     )
-    from stages.models import set_cuda_graphs, set_fast_path
+    from stages.models import set_cuda_graphs, set_fast_path  # deferred: as torch above
 
     set_fast_path(model, cfg.fast_path)
     set_cuda_graphs(model, cfg.cuda_graphs)

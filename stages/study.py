@@ -155,7 +155,7 @@ def table(results: list[ArmResult], judge: str) -> pd.DataFrame:
 def figure(results: list[ArmResult], path: Path, title: str) -> None:
     """The paper's Fig. 4/9 layout: one panel per collapse indicator, one line per arm over the
     iterations, the guard's breaches marked ×."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # deferred: matplotlib only for the figure
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 3.2), dpi=100)
@@ -205,7 +205,7 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
     (out / "study.html").write_text(report.html(text, out))  # MLflow's artifact view shows its figure
     frame.to_csv(out / "study.csv", index=False)
     mlflow_client.log_artifacts(study_id, str(out), "study")
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # deferred: MLflow, as in stages.tracking
 
     now = int(time.time() * 1000)
     metrics = [Metric(f"{r.name}/{name}", value, now, 0) for r in results

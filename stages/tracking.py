@@ -21,9 +21,11 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
-from stages import mlflow_models
-from stages.config import REPO_ROOT, PipelineConfig, rlhf_home
+from stages import mlflow_models, registry
+from stages.config import REPO_ROOT, PipelineConfig, load_config, rlhf_home, upgrade_recorded
 
 PIPELINE_TAG = "rlhf.kind"
 OUTPUTS_TAG = "rlhf.outputs"
@@ -53,7 +55,7 @@ def _quiet_mlflow() -> None:
 
 def client():
     _quiet_mlflow()
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # deferred, as every MLflow import here: `rlhf --help` and the ranks load none
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
@@ -128,7 +130,7 @@ def download(uri: str, into: Path | None = None) -> Path:
     a fresh temp folder a download, is never removed: a run of a large model would leave every
     model it read in /tmp.)"""
     _quiet_mlflow()
-    import mlflow.artifacts
+    import mlflow.artifacts  # deferred: MLflow
 
     location = storage_location(uri)
     local = _local_path(location)
@@ -168,7 +170,7 @@ def storage_location(uri: str) -> str:
     if uri.startswith("models:/"):  # resolve through our tracking store and registry, not MLflow's global default
         return model_location(uri)
     if uri.startswith("runs:/"):
-        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository  # deferred: MLflow
 
         return RunsArtifactRepository.get_underlying_uri(uri, tracking_uri())
     return uri
@@ -176,9 +178,6 @@ def storage_location(uri: str) -> str:
 
 def _local_path(location: str) -> Path | None:
     """The local file or folder of a storage location, or None for a remote one."""
-    from urllib.parse import urlparse
-    from urllib.request import url2pathname
-
     parsed = urlparse(location)
     if parsed.scheme == "file":
         return Path(url2pathname(parsed.path))
@@ -207,7 +206,7 @@ def model_location(uri: str) -> str:
 
 def log_params(mlflow_client, run_id: str, params: dict) -> None:
     """Log a nested dict as flat `section.key` params (MLflow caps a value at 6000 chars)."""
-    from mlflow.entities import Param
+    from mlflow.entities import Param  # deferred: MLflow
 
     items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
     for start in range(0, len(items), 100):
@@ -221,7 +220,7 @@ class TrackingUnavailable(RuntimeError):
 def _unreachable(err: Exception) -> bool:
     """Whether a tracking call failed for want of a server (worth retrying), not because the
     server refused the request."""
-    import requests
+    import requests  # deferred, as MLflow
     from mlflow.exceptions import MlflowException
 
     if isinstance(err, (ConnectionError, TimeoutError, requests.ConnectionError, requests.Timeout)):
@@ -339,7 +338,7 @@ class StageRun:
         self._call(log_params, self.client, self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: MLflow
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if (k, step) not in self._logged]
@@ -374,7 +373,7 @@ class StageRun:
 
     def log_input_rows(self, rows: list[dict], *, name: str, source: str, digest: str, context: str) -> None:
         """Record a data split as an MLflow dataset input of this run (`mlflow.log_input`)."""
-        import mlflow.data
+        import mlflow.data  # deferred: MLflow
         import pandas as pd
         from mlflow.entities import DatasetInput, InputTag
 
@@ -416,8 +415,6 @@ class StageRun:
         lineage tags: every model input of the stage (`rlhf.input.<name>`), `provenance`, and
         `lineage`. Returns {"<registers>_model": models:/<name>/<version>,
         "<registers>_model_artifact": models:/<model id>}."""
-        from stages import registry
-
         spec = registry.get(self.stage)
         out = self.workdir / "model"
         shutil.rmtree(out, ignore_errors=True)
@@ -427,7 +424,7 @@ class StageRun:
         model_id, location = self.log_model(out, pack)
         shutil.rmtree(out)  # the MLflow model is the copy that counts
         tags = {f"rlhf.input.{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
-        tags.update(self.provenance(inputs, cfg.stage_hash(self.stage)))
+        tags.update(self.provenance(inputs, spec.config_hash(cfg)))
         tags.update(lineage or {})
         version = self.register(spec.registers, model_id, location, cfg.registry_prefix, tags)
         return {f"{spec.registers}_model": version, f"{spec.registers}_model_artifact": f"models:/{model_id}"}
@@ -436,7 +433,7 @@ class StageRun:
         """`folder` packed as an MLflow model and logged as this run's LoggedModel `model` (what
         `mlflow.<flavor>.log_model` does, through this run's client and outage handling); returns
         (its model id, where the store keeps it)."""
-        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # deferred: MLflow
         from mlflow.models import Model
 
         experiment = self._call(self.client.get_run, self.run_id).info.experiment_id
@@ -459,7 +456,7 @@ class StageRun:
     def register(self, kind: str, model_id: str, location: str, prefix: str, lineage: dict[str, str]) -> str:
         """Register logged model `model_id` (kept at `location`) as a version of `<prefix>-<kind>`;
         returns `models:/name/version`."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # deferred: MLflow
 
         name = f"{prefix}-{kind}"
         try:
@@ -495,8 +492,6 @@ def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> s
     """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
     `demo · ppo vanilla rerun of 4ac5fade` (or `demo · ppo-max rerun of …`) for PPO alone on an
     earlier run's artifacts."""
-    from stages import registry
-
     if set(registry.names()) <= set(stages):
         what = ppo_arm(cfg)
     else:
@@ -582,7 +577,7 @@ class PipelineRun:
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Metrics of the pipeline run itself (its stages' headline numbers, for MLflow's run list)."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: MLflow
 
         now = int(time.time() * 1000)
         items = [Metric(key, float(value), now, 0) for key, value in metrics.items()]
@@ -639,7 +634,7 @@ def _feeds_later_stages(run) -> bool:
 def reusable(stage_run_id: str, gated: bool) -> bool:
     """Whether a later pipeline run may skip a stage by reusing this finished stage run: it still
     exists, its outputs feed later stages and, for a stage with a contract, its gate passed."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # deferred: MLflow
 
     try:
         run = client().get_run(stage_run_id)
@@ -680,9 +675,7 @@ def outputs_of(pipeline_run_id: str) -> dict[str, str]:
 def recorded_config(pipeline_run_id: str) -> PipelineConfig:
     """The resolved config a pipeline run started with (its config.json); for a run made before
     that artifact existed, its preset's defaults."""
-    from mlflow.exceptions import MlflowException
-
-    from stages.config import load_config, upgrade_recorded
+    from mlflow.exceptions import MlflowException  # deferred: MLflow
 
     try:
         with fetched(f"runs:/{pipeline_run_id}/{CONFIG_ARTIFACT}") as recorded_file:

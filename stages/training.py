@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
+from stages.dist import Dist
+from stages.data import render_prompt
+from stages.models import fused
 from stages.models.embedding import add_gradients_in_place
-
-if TYPE_CHECKING:
-    from stages.launch import Dist
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -28,12 +27,6 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
         labels[i, : len(labs)] = torch.tensor(labs)
         attention[i, : len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
@@ -368,8 +361,6 @@ def bf16_total_norm(gradients: list) -> float:
     squares in fp32 in one compiled loop (torch's eager norm of bf16 rows in fp32 took twice as long)."""
     if not gradients:
         return 0.0
-    from stages.models import fused
-
     sums = [fused.compiled(squares_by_row, as_rows(g)) for g in gradients]
     return float(torch.cat(sums).sum().sqrt())
 
@@ -380,8 +371,6 @@ def adamw_from_bf16_gradients(optimizer, pairs: list, coef: float) -> None:
     (fp32 master, bf16 copy) pairs from the copies' gradients times `coef`, each tensor in one
     compiled loop (`adamw_update`); the state stays torch's (exp_avg, exp_avg_sq, step), so a
     checkpoint resumes either way."""
-    from stages.models import fused
-
     group = optimizer.param_groups[0]
     beta1, beta2 = group["betas"]
     scalars: dict[float, list[torch.Tensor]] = {}  # by step count: one, unless a tensor missed a step's gradient
@@ -403,8 +392,6 @@ def adamw_from_bf16_gradients(optimizer, pairs: list, coef: float) -> None:
 def adamw(model, **options):
     """AdamW with the fused kernel: torch's default on CPU updates one tensor at a time, several
     times slower on a model's hundreds of tensors."""
-    import torch
-
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, fused=fused or None, **options)
@@ -417,7 +404,7 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
     keeps fp32 master weights in its optimiser) when the stage runs on DeepSpeed ranks."""
     if dist.deepspeed_config is None:
         return PlainEngine(model, optimizer, scheduler, grad_accum_steps, max_grad_norm, precision)
-    import deepspeed
+    import deepspeed  # deferred: only DeepSpeed's ranks load it (seconds, and its CPU ops build)
 
     config = dict(dist.deepspeed_config)
     config.update(
@@ -493,7 +480,7 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
     # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
     # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine
     # and step: one all-reduce of all its gradients for the norm, one more when clipping.
-    from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized
+    from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized  # deferred: as in make_engine
 
     groups = [[p for p in engine.module.parameters() if p.requires_grad] for engine in engines]
     norm = total_norm([safe_get_full_grad(p) for params in groups for p in params])
@@ -508,8 +495,6 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
 def generation_probe(model, tokenizer, rows: list[dict], max_new_tokens: int, max_prompt_len: int) -> list[dict]:
     """Greedy responses to held-out prompts: per response its length in tokens and whether it
     ended with EOS (what the SFT contract judges). One left-padded batch."""
-    from stages.data import render_prompt
-
     if not rows:
         return []
     was_training, use_cache = model.training, model.config.use_cache

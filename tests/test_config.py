@@ -7,6 +7,7 @@ import pytest
 from pydantic import BaseModel
 
 import stages.config as config_module
+from stages import registry
 from config_helpers import dotted_keys
 from flows.cli import main
 from stages.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
@@ -141,25 +142,32 @@ def test_explain_tells_preset_from_override(capsys):
         (["ppo.advantage_estimator=a2c"], r"unknown advantage estimator 'a2c'; registered: gae, grpo, reinforce\+\+, "
                                           r"rloo"),
         (["ppo.policy_loss=dpo"], "unknown policy loss 'dpo'; registered: .*ppo_clip"),
-        (["ppo.rollout_batch_size=30", "ppo.samples_per_prompt=4"], "rollout_batch_size=30 is not a multiple of "
-                                                                   "samples_per_prompt=4"),
     ],
 )
 def test_advantage_estimator_policy_loss_and_group_size_are_checked(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config("tiny", overrides)
+    """The registries check the names they own, by the stages that use them, before any stage runs."""
+    cfg = load_config("tiny", overrides)
+    for stage in ("critic", "ppo"):
+        with pytest.raises(ConfigError, match=message):
+            registry.get(stage).check(cfg)
+
+
+def test_the_group_size_divides_the_rollout():
+    with pytest.raises(ConfigError, match="rollout_batch_size=30 is not a multiple of samples_per_prompt=4"):
+        load_config("tiny", ["ppo.rollout_batch_size=30", "ppo.samples_per_prompt=4"])
 
 
 def test_critic_free_estimators_load_with_their_group_size():
     for name, k in (("grpo", 4), ("rloo", 2), ("reinforce++", 1), ("gae", 4)):
-        ppo = load_config("tiny", [f"ppo.advantage_estimator={name}", f"ppo.samples_per_prompt={k}"]).ppo
-        assert (ppo.advantage_estimator, ppo.samples_per_prompt) == (name, k)
+        cfg = load_config("tiny", [f"ppo.advantage_estimator={name}", f"ppo.samples_per_prompt={k}"])
+        registry.get("ppo").check(cfg)
+        assert (cfg.ppo.advantage_estimator, cfg.ppo.samples_per_prompt) == (name, k)
     default = PPOConfig()
     assert (default.advantage_estimator, default.samples_per_prompt, default.policy_loss) == ("gae", 1, "ppo_clip")
 
 
 def test_the_default_config_loads_without_torch():
-    """The registries live with the torch code; the defaults are checked without importing them."""
+    """The registries live with the torch code; the config neither imports nor consults them."""
     import subprocess
     import sys
 

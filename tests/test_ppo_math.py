@@ -8,9 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stages import registry
 from stages.config import ConfigError, PPOConfig, load_config
 from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
-from stages.ppo.advantages import gae, masked_whiten
+from stages.ppo.advantages import gae
+from stages.tensors import masked_whiten
 from stages.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
 
@@ -386,7 +388,8 @@ def test_token_and_sequence_means_agree_when_every_response_has_the_same_length(
 
 
 def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
-    """One function and the decorator, in this test: `ppo.advantage_estimator=<its name>` loads."""
+    """One function and the decorator, in this test: `ppo.advantage_estimator=<its name>` passes the
+    PPO stage's check."""
     from stages.ppo import advantages
 
     monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))  # undone after
@@ -396,8 +399,9 @@ def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
         return advantages.sequence_rewards(inputs)[:, None] * inputs.mask, None
 
     cfg = load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=4"])
+    registry.get("ppo").check(cfg)
     assert cfg.ppo.advantage_estimator == "toy" and not advantages.needs_critic(cfg.ppo)
     with pytest.raises(ConfigError, match="advantage_estimator=toy .* needs samples_per_prompt ≥ 3"):
-        load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=2"])
+        registry.get("ppo").check(load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=2"]))
     with pytest.raises(ValueError, match="registered already"):
         advantages.register_advantage_estimator("toy", needs_critic=False)(toy)

@@ -16,7 +16,7 @@ from stages.logprobs import token_logprobs
 from stages.ppo.trainer import warmup_steps
 from stages.reward.model import RewardModel
 from stages.sources import load_model
-from stages.training import masked_mean
+from stages.tensors import masked_mean
 
 
 @pytest.mark.parametrize("preset", ["ppo-max", "vanilla"])

@@ -7,19 +7,44 @@ from __future__ import annotations
 import pytest
 
 from stages import registry, runs, tracking
-from stages.config import load_config
+from stages.config import CriticRollouts, PPOConfig, load_config
 from stages.registry import Stage
 
 
+def _hash(stage: str, overrides: list[str]) -> str:
+    return registry.get(stage).config_hash(load_config("tiny", overrides))
+
+
 def test_ppo_only_settings_do_not_change_the_critics_cache_key():
-    """`--set ppo.iterations=200 --from-run <id>` reuses the critic: it does not read that field."""
+    """`--set ppo.iterations=200 --from-run <id>` reuses the critic: it does not read that field. The
+    critic's PPO settings (`critic_ppo`, what its trainer receives) are the same object, so nothing
+    outside the key reaches the critic."""
     cfg = load_config("tiny")
-    for ppo_only in ("ppo.iterations=200", "ppo.actor_lr=1e-6", "ppo.eval_every=2", "ppo.ptx_coef=0.1"):
-        assert load_config("tiny", [ppo_only]).stage_hash("critic") == cfg.stage_hash("critic"), ppo_only
-        assert load_config("tiny", [ppo_only]).stage_hash("ppo") != cfg.stage_hash("ppo"), ppo_only
+    for ppo_only in ("ppo.iterations=200", "ppo.actor_lr=1e-6", "ppo.eval_every=2", "ppo.ptx_coef=0.1",
+                     "ppo.kl_coef=0.2", "ppo.whiten_advantages=false", "ppo.rollout_batch_size=64"):
+        assert _hash("critic", [ppo_only]) == _hash("critic", []), ppo_only
+        assert _hash("ppo", [ppo_only]) != _hash("ppo", []), ppo_only
+        assert load_config("tiny", [ppo_only]).critic_ppo() == cfg.critic_ppo(), ppo_only
     for read_by_critic in ("ppo.gamma=0.9", "ppo.preset=vanilla", "ppo.generation.max_new_tokens=7", "critic.lr=1e-4",
-                           "reward.lr=1e-4"):
-        assert load_config("tiny", [read_by_critic]).stage_hash("critic") != cfg.stage_hash("critic"), read_by_critic
+                           "ppo.reward=char_fraction:a", "ppo.value_clip_eps=0.3"):
+        assert _hash("critic", [read_by_critic]) != _hash("critic", []), read_by_critic
+        assert load_config("tiny", [read_by_critic]).critic_ppo() != cfg.critic_ppo(), read_by_critic
+    assert _hash("critic", ["reward.lr=1e-4"]) != _hash("critic", [])  # an input's section
+
+
+def test_the_critics_ppo_settings_are_its_cache_key():
+    """Every field of `CriticRollouts` is in the critic's cache key and reaches the PPO settings its
+    trainer receives; every other PPO field the trainer reads is the default, whatever `ppo` says."""
+    cfg = load_config("tiny")
+    key = registry.get("critic").config
+    assert {f"ppo.{name}" for name in CriticRollouts.model_fields} == {name for name in key if name.startswith("ppo")}
+    critic_ppo = cfg.critic_ppo()
+    for name in CriticRollouts.model_fields:
+        assert getattr(critic_ppo, name) == getattr(cfg.ppo, name), name
+    own = {"rollout_batch_size", "minibatch_size", "critic_lr", "critic_weight_decay", "max_grad_norm", "adam_betas",
+           "seed", "max_nonfinite_steps", "ppo_epochs"}
+    for name in set(PPOConfig.model_fields) - set(CriticRollouts.model_fields) - own:
+        assert getattr(critic_ppo, name) == getattr(PPOConfig(), name), name
 
 
 def test_a_whole_section_hashes_as_before():
@@ -30,7 +55,8 @@ def test_a_whole_section_hashes_as_before():
     cfg = load_config("tiny")
     dump = cfg.model_dump(mode="json")
     old = {name: dump[name] for name in ("model", "data", "sft")}
-    assert cfg.stage_hash("sft") == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    expected = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert registry.get("sft").config_hash(cfg) == expected
 
 
 def test_an_unknown_stage_names_the_closest_one():

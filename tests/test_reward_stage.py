@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stages import stats, sources, tracking
+from stages import registry, stats, sources, tracking
 from stages.config import load_config
 from stages.data import read_jsonl
 from stages.launch import Dist, execute
@@ -53,7 +53,7 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
     assert tags["rlhf.input.splits"] == outputs["splits"]
     assert tags["rlhf.data_digest"] == outputs["data_digest"]
     assert tags["rlhf.pipeline_run"] == reward_run
-    assert tags["rlhf.config_hash"] == cfg.stage_hash("reward")  # the sections its registry entry names
+    assert tags["rlhf.config_hash"] == registry.get("reward").config_hash(cfg)  # the sections its registry entry names
     assert tags["rlhf.git_commit"] == tracking.git_commit()
 
     evaluation = tracking.download(f"runs:/{run.info.run_id}/eval")

@@ -103,7 +103,7 @@ def _questions(subject: str, source: str, records: list[dict]) -> list[Question]
 def _read_split(spec: str, folder: Path | None, subject: str, split: str, cfg: DataConfig) -> list[Question]:
     if folder is None:  # the hub: one configuration per subject
         try:
-            import datasets
+            import datasets  # deferred: the optional hub extra
         except ImportError:
             raise DataError(spec, None, "not a local folder; loading from the hub needs `pip install datasets`") from None
         rows = datasets.load_dataset(spec, name=subject, split=split)

@@ -22,7 +22,7 @@ def version() -> str:
 def _builtin_tasks():
     """lm-eval's own task index (about 15,000 YAMLs, seconds to read): read once per process, as
     the installed package's tasks do not change while it runs."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # deferred, as all of lm_eval here: seconds to load
 
     return TaskManager()
 
@@ -35,7 +35,7 @@ def task_manager(ev: EvalConfig):
     """The lm-eval TaskManager that knows every task in `ev.lm_eval_tasks`, or a ConfigError naming
     the unknown ones and where they were looked for (called before any model loads). The user's
     folder is indexed alone first: when it holds every task, lm-eval's own index is never read."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # deferred: lm_eval
 
     names, folder = list(ev.lm_eval_tasks), ev.lm_eval_include_path
     own = None
@@ -59,7 +59,7 @@ def task_manager(ev: EvalConfig):
 def evaluate(model, tokenizer, manager, ev: EvalConfig) -> dict:
     """lm-eval's results for `ev.lm_eval_tasks` on an already loaded model (lm-eval's HFLM wraps it
     as it is: the same weights, precision and device as C-Eval), with the per-example `samples`."""
-    from lm_eval import simple_evaluate
+    from lm_eval import simple_evaluate  # deferred: lm_eval
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.lm_eval_batch_size)
@@ -98,7 +98,7 @@ def metric_name(part: str) -> str:
 def write(results: dict, folder: Path, model: str) -> None:
     """lm-eval's own files, as its CLI writes them: `results_<model>.json` (without the samples) and
     `samples_<model>_<task>.jsonl`, one line per example with the model's responses."""
-    from lm_eval.utils import handle_non_serializable
+    from lm_eval.utils import handle_non_serializable  # deferred: lm_eval
 
     folder.mkdir(parents=True, exist_ok=True)
     samples = results.get("samples", {})

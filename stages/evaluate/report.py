@@ -5,6 +5,8 @@ and the markdown text."""
 
 from __future__ import annotations
 
+import base64
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -230,10 +232,7 @@ def html(markdown_text: str, folder: Path) -> str:
     """The report as one self-contained page (report.html): MLflow's artifact view renders a
     markdown file's tables but no image with a relative path, and renders HTML with the charts
     inlined as data URIs."""
-    import base64
-    import re
-
-    import markdown as markdown_lib
+    import markdown as markdown_lib  # deferred: only for the HTML report
 
     def inline(match: re.Match) -> str:
         data = base64.b64encode((folder / match.group(2)).read_bytes()).decode()

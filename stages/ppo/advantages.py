@@ -12,27 +12,16 @@ place (`PPOTrainer.rollout`). Built in:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from stages.tensors import masked_whiten
+
 if TYPE_CHECKING:
     from stages.config import PPOConfig
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, all_reduce_sum=None) -> torch.Tensor:
-    """(x − mean) / std over the masked entries.
-    `all_reduce_sum(list)` sums over ranks when given: a data-parallel minibatch is the union of
-    the ranks' minibatches, so its mean and std are taken over all of them."""
-    reduce = all_reduce_sum or list
-    count, total = reduce([float(mask.sum()), float((x * mask).sum())])
-    mean = total / max(count, 1.0)
-    (squares,) = reduce([float(((x - mean) ** 2 * mask).sum())])
-    whitened = (x - mean) / math.sqrt(squares / max(count, 1.0) + eps)
-    return whitened * mask
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):

@@ -82,7 +82,7 @@ class CollapseGuard:
     # -- the check -----------------------------------------------------------------------------
     def breach(self, probe: pd.DataFrame) -> str | None:
         """The policy contract on one evaluation's probe: None if it passes, else the rules that broke."""
-        from data_contracts.gate import validate
+        from data_contracts.gate import validate  # deferred: Great Expectations loads at the first check
 
         report = validate("policy", probe, self.cfg)
         return None if report.success else " | ".join(f.describe() for f in report.failures)

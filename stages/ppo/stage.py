@@ -20,10 +20,15 @@ from stages.ppo.collapse_guard import CollapseGuard
 from stages.reward_sources import text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
-from stages.ppo.trainer import PPOTrainer, warmup_steps
+from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
 from stages.reward.model import load_reward_model
-from stages.training import masked_mean, trained_model
+from stages.tensors import masked_mean
+from stages.training import trained_model
 
+
+
+def check(cfg: PipelineConfig) -> None:
+    check_algorithms(cfg.ppo)
 
 
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
@@ -164,10 +169,10 @@ def samples_table(tokenizer, trainer: PPOTrainer) -> pd.DataFrame:
 
 
 def score_histogram(scores: list[float], title: str, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib only for the histograms
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.hist(scores, bins=20, color="#4c72b0")

@@ -17,16 +17,17 @@ import time
 import numpy as np
 import torch
 
-from stages.config import PPOConfig
+from stages.config import ConfigError, PPOConfig
+from stages.dist import Dist
 from stages.nonfinite import NonFiniteGuard
-from stages.launch import Dist
 from stages.losses import (POLICY_STAT_NAMES, aggregate, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
                            value_loss)
-from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
+from stages.ppo.advantages import AdvantageInputs, advantage_estimator
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.logprobs import logprobs_and_entropy
 from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
-from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine, masked_mean
+from stages.tensors import masked_mean, masked_whiten
+from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine
 
 
 def shuffled_order(count: int, rng: random.Random) -> list[int]:
@@ -303,6 +304,21 @@ class PPOTrainer:
         if "torch_rng" in state:  # checkpoints before each rank kept its own (`checkpoint.save`)
             torch.set_rng_state(state["torch_rng"])
         self.moments.load_state_dict(state["moments"])
+
+
+def check_algorithms(ppo: PPOConfig) -> None:
+    """`ppo.advantage_estimator` and `ppo.policy_loss` are registered, and the group size fits the
+    estimator: a ConfigError naming the key. The critic and PPO stages' `check`, which the flow runs
+    before any stage starts (the registries import torch, the config does not)."""
+    try:
+        needed = advantage_estimator(ppo.advantage_estimator).min_samples_per_prompt
+        registered_policy_loss(ppo.policy_loss)
+    except ValueError as err:
+        raise ConfigError(f"ppo: {err}") from None
+    if ppo.samples_per_prompt < needed:
+        raise ConfigError(f"ppo: advantage_estimator={ppo.advantage_estimator} compares the samples of one prompt: it "
+                          f"needs samples_per_prompt ≥ {needed} (got {ppo.samples_per_prompt}); e.g. "
+                          f"ppo.samples_per_prompt=4")
 
 
 def check_critic(ppo: PPOConfig, critic, train_actor: bool) -> None:

@@ -14,6 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlflow.pyfunc
+import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.types import ColSpec, Schema
 
 from stages.config import ModelConfig, PipelineConfig
 from stages.mlflow_models import Pack, requirements
@@ -23,15 +26,13 @@ class ScorerModel(mlflow.pyfunc.PythonModel):
     """predict: a frame with `prompt`, `response` (and optionally `ended`, default true) → `score`."""
 
     def load_context(self, context) -> None:
-        from stages.reward.serve import RewardScorer
+        from stages.reward.serve import RewardScorer  # deferred: torch loads in the serving process only
 
         settings = context.model_config
         self.scorer = RewardScorer(Path(context.artifacts["model"]), ModelConfig(**settings["model"]),
                                    int(settings["max_seq_len"]))
 
     def predict(self, context, model_input, params=None):
-        import pandas as pd
-
         prompts, responses = model_input["prompt"].tolist(), model_input["response"].tolist()
         ended = (model_input["ended"].fillna(True).astype(bool).tolist() if "ended" in model_input
                  else [True] * len(prompts))
@@ -44,9 +45,6 @@ def scorer(cfg: PipelineConfig) -> Pack:
     `rlhf serve-reward` reads from the preset, come from the run's config (its `model_config`)."""
 
     def pack(folder: Path, path: Path, mlflow_model) -> None:
-        from mlflow.models import ModelSignature
-        from mlflow.types import ColSpec, Schema
-
         signature = ModelSignature(
             inputs=Schema([ColSpec("string", "prompt"), ColSpec("string", "response"),
                            ColSpec("boolean", "ended", required=False)]),

@@ -1,0 +1,107 @@
+"""The import rule (pyproject.toml [tool.importlinter]): imports go down the layers, flows → stage
+modules → what stages run on → running and recording stages → shared rooms → leaf modules, and
+no modules import one another in a circle. import-linter checks the layers, grimp the circles."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import grimp
+import pytest
+
+from stages.config import REPO_ROOT
+
+PACKAGES = ("flows", "stages", "data_contracts")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's CLI on the packages under `root`, with the contract in its pyproject.toml."""
+    return subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                                                 "lint_imports_command()", "--no-cache"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+
+
+def test_imports_go_down_the_layers():
+    result = lint_imports(REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 1 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize(("module", "planted", "broken"), [
+    # a leaf module reaching up into the stage table it parameterises
+    ("stages/config.py", "from stages import registry", "stages.config is not allowed to import stages.registry"),
+    # a shared room reaching up into a stage module
+    ("stages/training.py", "from stages.sft import run", "stages.training is not allowed to import stages.sft"),
+])
+def test_a_planted_upward_import_breaks_the_rule(tmp_path, module, planted, broken):
+    for package in PACKAGES:
+        shutil.copytree(REPO_ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path)
+    assert lint_imports(tmp_path).returncode == 0  # the copy keeps the rule
+    path = tmp_path / module
+    text = path.read_text()
+    first_import = text.index("\nimport ")  # after the module docstring and `from __future__`
+    path.write_text(f"{text[:first_import]}\n{planted}{text[first_import:]}")
+    result = lint_imports(tmp_path)
+    assert result.returncode == 1 and "Contracts: 0 kept, 1 broken." in result.stdout, result.stdout + result.stderr
+    assert broken in result.stdout
+
+
+def test_no_modules_import_each_other_in_a_circle(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None)
+    imports = [(importer, imported) for importer in graph.modules
+               for imported in graph.find_modules_directly_imported_by(importer)]
+    assert len(imports) > 150  # the graph was built from this checkout's packages
+    circles = [" -> ".join((importer, *graph.find_shortest_chain(importer=imported, imported=importer)))
+               for importer, imported in imports if graph.chain_exists(importer=imported, imported=importer)]
+    assert circles == []
+
+
+def _deferred_imports_without_a_reason(path: Path) -> list[str]:
+    """The first import of each run of imports inside a function, where neither its line nor the
+    line above it has a comment."""
+    lines = path.read_text().splitlines()
+    found = []
+    for function in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for block in ast.walk(function):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                statements = getattr(block, field, None)
+                if not isinstance(statements, list):
+                    continue
+                for before, statement in zip([None, *statements], statements):
+                    first_of_a_run = isinstance(statement, (ast.Import, ast.ImportFrom)) and not isinstance(
+                        before, (ast.Import, ast.ImportFrom))
+                    line = statement.lineno
+                    if first_of_a_run and "#" not in lines[line - 1] and not lines[line - 2].lstrip().startswith("#"):
+                        found.append(f"{path.relative_to(REPO_ROOT)}:{line}: {lines[line - 1].strip()}")
+    return found
+
+
+def test_a_function_local_import_says_why_it_is_deferred():
+    """Imports sit at the top of a module; one inside a function defers a heavy library (torch,
+    MLflow, Prefect, Great Expectations, ...) and says so, so it hides no circle."""
+    missing = [where for package in PACKAGES for path in sorted((REPO_ROOT / package).rglob("*.py"))
+               for where in _deferred_imports_without_a_reason(path)]
+    assert missing == []
+
+
+def test_every_module_has_a_layer(monkeypatch):
+    """A new module goes into a layer of the contract; only the packages that hold modules of
+    several layers stand outside them."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    (contract,) = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = {name.strip().strip("()") for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None)
+    outside = {module for module in graph.modules
+               if not any(module == layer or module.startswith(f"{layer}.") for layer in layers)}
+    assert outside == {"stages", "stages.evaluate", "stages.ppo", "stages.reward"}
