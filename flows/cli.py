@@ -14,14 +14,18 @@ import subprocess
 import sys
 import threading
 import time
+import types
+import typing
 from pathlib import Path
 
 import yaml
 from filelock import FileLock
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from flows import services
 from stages import allocator, interrupt, plan, registry, runs, tracking
-from stages.config import ConfigError, config_fields, load_config, rlhf_home
+from stages.config import ConfigError, PipelineConfig, config_fields, load_config, rlhf_home
 from stages.data import own_sources
 from stages.plan import TRAINING_STAGES
 from stages.sources import DataError, ModelError, data_dir, resolve_local
@@ -186,8 +190,6 @@ def _check_runs_exist(args: argparse.Namespace) -> None:
 def _recorded_failure(cfg, resume: str | None, state) -> str | None:
     """How the pipeline run of this `rlhf run` failed, as its flow recorded it in MLflow (its
     description: the stage, the reason, the fix); None where no stage's failure was recorded."""
-    from stages import tracking
-
     if resume:
         run = tracking.client().get_run(resume)
     elif state is not None:
@@ -340,9 +342,6 @@ REFERENCE_COMMAND = "rlhf config --explain --markdown > docs/config.md"
 def _type_name(annotation) -> str:
     """A field's type as a reader writes it: `int | None`, `'stop' | 'warn'`, `list[str]`, a
     section's class name."""
-    import types
-    import typing
-
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
         return _type_name(args[0])
@@ -361,10 +360,6 @@ def _type_name(annotation) -> str:
 
 def _sections_in(annotation) -> list:
     """The config sections (pydantic models) a field holds: itself one, or the items of a list of them."""
-    import typing
-
-    from pydantic import BaseModel
-
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [found for arg in typing.get_args(annotation) for found in _sections_in(arg)]
@@ -373,8 +368,6 @@ def _sections_in(annotation) -> list:
 def _markdown_section(model: type, path: str, heading: str, description: str, depth: int) -> list[str]:
     """A config section as markdown: its heading and description, a table of its own fields (name,
     type, default, description), then each nested section at the next heading level."""
-    from pydantic import BaseModel
-    from pydantic_core import to_jsonable_python
 
     def cell(text: str) -> str:
         """Text in a table cell: pipes escaped, and outside code spans `<` and `*`, which markdown
@@ -410,8 +403,6 @@ def config_reference() -> str:
     """`rlhf config --explain --markdown`: every field of the config with its type, its typed
     default and its description (which names its source), one section per stage config; the
     page docs/config.md."""
-    from stages.config import PipelineConfig
-
     intro = " ".join([
         f"Generated from the fields of `stages/config.py` by `{REFERENCE_COMMAND}`: edit the",
         "`Field(description=…)` there, not this page. A preset (`infra/presets`) or `--set section.field=value`",

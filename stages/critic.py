@@ -19,7 +19,8 @@ from stages.launch import Dist
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
 from stages.ppo.advantages import needs_critic
 from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
-from stages.reward.model import save_reward_model, scorer_pack
+from stages.reward.model import save_reward_model
+from stages.reward.pyfunc import scorer_pack
 from stages.tensors import masked_mean
 from stages.training import trained_model
 

@@ -21,7 +21,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 class ResponsePenaltyPipeline(TextGenerationPipeline):
     """transformers' text-generation pipeline with the repetition penalty on the response's tokens.
     Its processor replaces the one `generate` makes from the generation config, in the same place of
-    the processor list (before temperature, top-k and top-p, as `stages.ppo.generation.next_tokens`)."""
+    the processor list (before temperature, top-k and top-p, as `stages.ppo.sampling.next_tokens`)."""
 
     def _forward(self, model_inputs, **generate_kwargs):
         config = generate_kwargs.get("generation_config") or self.model.generation_config
@@ -36,7 +36,7 @@ class ResponsePenaltyPipeline(TextGenerationPipeline):
 
 def _load_pyfunc(path, model_config=None):
     """MLflow's pyfunc loader protocol (the MLmodel's `python_function.loader_module` is this module)."""
-    import mlflow.transformers
+    import mlflow.transformers  # deferred: MLflow's transformers flavor imports transformers
 
     wrapper = mlflow.transformers._load_pyfunc(path, model_config)
     plain = wrapper.pipeline

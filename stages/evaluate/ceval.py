@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from stages.config import DataConfig
-from stages.ppo.generation import left_pad
+from stages.ppo.sampling import left_pad
 from stages.models import last_hidden_state
 from stages.sources import DataError, data_dir, read_records, resolve_local
 

@@ -5,7 +5,7 @@ from Python takes longer than the GPU needs to read the weights once: the loop i
 host, far below the memory-bandwidth bound. As in gpt-fast, the fix is to launch the whole step as
 one CUDA graph: the model's forward (`StaticDecoder`: KV cache, positions and cache slot updated in
 place, attention over every slot with the unwritten ones masked), the sampling (repetition
-penalty, temperature, top-k, top-p: `generation.next_tokens`) and the log-prob bookkeeping all
+penalty, temperature, top-k, top-p: `sampling.next_tokens`) and the log-prob bookkeeping all
 write into buffers that live as long as the graph, and nothing in the step reads a value back to
 the host. Whether every row has ended is read every `CHECK_EVERY` tokens only; the steps after the
 last row ended draw pads, and the response is cut to the columns where some row was alive, the
@@ -30,7 +30,7 @@ import torch
 
 from stages.logprobs import token_logprobs
 from stages.models.shapes import bucket
-from stages.ppo.generation import Rollout, left_pad, next_tokens
+from stages.ppo.sampling import Rollout, left_pad, next_tokens
 
 CHECK_EVERY = 8  # replays between reads of "every row has ended": one host synchronisation per this many tokens
 SAMPLERS_ATTRIBUTE = "rlhf_static_samplers"

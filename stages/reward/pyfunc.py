@@ -56,3 +56,9 @@ def scorer(cfg: PipelineConfig) -> Pack:
             pip_requirements=requirements("torch", "transformers", "tokenizers", "safetensors", "pandas"))
 
     return pack
+
+
+def scorer_pack(cfg: PipelineConfig, dist):
+    """The pack a reward model or critic is published with (`scorer`), made on the main rank, the
+    one that publishes; None on the others."""
+    return scorer(cfg) if dist.is_main else None

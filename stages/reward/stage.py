@@ -19,7 +19,8 @@ from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
-from stages.reward.model import reward_model_from_lm, save_reward_model, scorer_pack
+from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
 
