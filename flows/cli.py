@@ -396,26 +396,27 @@ def _serve_reward(args) -> int:
 
     from stages import tracking
     from stages.config import ConfigError, load_config
-    from stages.reward.serve import RewardScorer, make_server, token_from_env
+    from stages.reward.serve import RewardScorer, make_app, make_server, token_from_env
 
-    cfg = load_config(args.preset)
+    cfg = load_config(args.preset, args.overrides)
     token = token_from_env(args.auth_env)
     if args.auth_env and not token:
         raise ConfigError(f"--auth-env {args.auth_env}: that environment variable is not set")
-    # SIGTERM (a service manager's stop) ends it as Ctrl-C does: the server closes and the process
-    # exits normally, so a model copied from a remote store is removed (`tracking.download`).
+    # SIGTERM (a service manager's stop) ends it as Ctrl-C does: uvicorn lets the requests in flight
+    # finish, then raises the signal again, and the process exits normally, so a model copied from a
+    # remote store is removed (`tracking.download`).
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     folder = Path(args.model) if Path(args.model).is_dir() else tracking.download(args.model)
-    server = make_server(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len), args.host, args.port, token)
-    host, port = server.server_address[:2]
-    print(f"reward model {args.model} at http://{host}:{port}/score (POST {{prompts, responses, ended}} → "
-          f"{{scores}}; GET /health); PPO: --set ppo.reward=http://{host}:{port}/score", flush=True)
+    limits = cfg.reward_server
+    app = make_app(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len, limits), limits, token)
+    server = make_server(app, args.host, args.port, limits)
+    print(f"reward model {args.model} at http://{args.host}:{args.port}/score (POST {{prompts, responses, ended}} → "
+          f"{{scores}}; GET /health, /metrics); PPO: --set ppo.reward=http://{args.host}:{args.port}/score",
+          flush=True)
     try:
-        server.serve_forever()
+        server.run()
     except KeyboardInterrupt:
         pass
-    finally:
-        server.server_close()
     return 0
 
 
@@ -525,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_reward.add_argument("--port", type=int, default=8765)
     serve_reward.add_argument("--auth-env", default=None, metavar="VAR",
                               help="require `Authorization: Bearer $VAR` (the token is read from the environment)")
+    serve_reward.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                              help="override a config value, e.g. --set reward_server.queue_rows=512 (the "
+                                   "reward_server section: batching and limits; repeatable)")
 
     runs = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
     runs.add_argument("--experiment", default="rlhf")
