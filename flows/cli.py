@@ -612,8 +612,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefect.exceptions import CancelledRun
 
+        from stages.reward_sources import RewardServerUnavailable
+
         try:
-            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable)), _stop_on_signals():
+            with _quiet_expected_errors((ContractError, DataError, tracking.TrackingUnavailable,
+                                         RewardServerUnavailable)), _stop_on_signals():
                 _open_stores()
                 _check_runs_exist(args)
                 run_id = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
@@ -625,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
                   f"under contracts/.", file=sys.stderr)
             return 2
-        except tracking.TrackingUnavailable as err:
+        except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
             print(f"rlhf: {err}", file=sys.stderr)
             return 1
         from stages import runs

@@ -19,7 +19,7 @@ from stages.launch import Dist
 from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
 from stages.ppo.guard import CollapseGuard
-from stages.reward_sources import text_scores
+from stages.reward_sources import RewardServerUnavailable, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, warmup_steps
@@ -180,6 +180,15 @@ def score_histogram(scores: list[float], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _stopped_for_the_reward_server(err: RewardServerUnavailable, trainer: PPOTrainer,
+                                   checkpoints: Path) -> RewardServerUnavailable:
+    """The one-line error of a reward server that did not come back, after a checkpoint at the
+    iteration boundary (`rlhf run --resume` continues from it)."""
+    saved = checkpoint.save(trainer, checkpoints)
+    return RewardServerUnavailable(f"stage ppo stopped after iteration {trainer.iteration}: {err}; checkpoint "
+                                   f"{saved} (rlhf run --resume continues from it)")
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
     ppo = cfg.ppo
     torch.manual_seed(ppo.seed)
@@ -223,10 +232,21 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     while trainer.iteration < ppo.iterations and not guard.stopped:
         interrupt.stop_point(dist, "ppo", f"after iteration {trainer.iteration} of {ppo.iterations}",
                              save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints)}")
-        metrics = trainer.step()
+        boundary = trainer.state(), checkpoint.rng_state()
+        try:
+            metrics = trainer.step()
+        except RewardServerUnavailable as err:  # nothing of the iteration is kept: it reruns on resuming
+            trainer.load_state(boundary[0])
+            checkpoint.load_rng_state(boundary[1])
+            raise _stopped_for_the_reward_server(err, trainer, checkpoints) from None
         it = trainer.iteration
         if it % ppo.eval_every == 0 or it == ppo.iterations:
-            heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows)
+            try:
+                heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows)
+            except RewardServerUnavailable as err:  # the iteration trained: its metrics go out without held-out ones
+                if dist.is_main:
+                    tracker.log_metrics(metrics, step=it)
+                raise _stopped_for_the_reward_server(err, trainer, checkpoints) from None
             metrics.update({**heldout_metrics, **paired_deltas(frame, baseline, cfg.statistics),
                             **guard.check(trainer, frame)})
         if dist.is_main:
