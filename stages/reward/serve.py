@@ -329,6 +329,8 @@ def make_app(scorer: RewardScorer, limits: RewardServerConfig, token: str | None
             # A refused body may be unread: the connection cannot carry another request.
             headers = {**err.headers, **({"Connection": "close"} if err.status in (408, 413) else {})}
             answer = JSONResponse({"error": err.message}, status_code=err.status, headers=headers)
+        except Exception as err:  # the model failed on rows that passed every check: the server's fault
+            answer = JSONResponse({"error": f"scoring failed: {type(err).__name__}: {err}"}, status_code=500)
         metrics.requests.labels(str(answer.status_code)).inc()
         metrics.latency.observe(time.perf_counter() - started)
         return answer
