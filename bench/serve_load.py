@@ -20,7 +20,7 @@ Printed: the CPU and load average before and after; per K and server requests/s,
 p99 latency of answered requests, 503s and errors, and the server's RSS idle and at its peak; per K
 batched / one-at-a-time scores/s.
 
-    .venv/bin/python bench/serve_load.py                        # demo preset, 15 s per K and server
+    .venv/bin/python bench/serve_load.py                        # demo preset, 10 s per K and server
     .venv/bin/python bench/serve_load.py --seconds 30 --clients 1 16 --rows 8
     .venv/bin/python bench/serve_load.py --preset tiny --seconds 5
 """
@@ -52,12 +52,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64], help="the K to run")
-    parser.add_argument("--seconds", type=float, default=15.0, help="load time per K and server")
-    parser.add_argument("--rows", type=int, default=4, help="(prompt, answer) rows per request")
+    parser.add_argument("--seconds", type=float, default=10.0, help="load time per K and server")
+    parser.add_argument("--rows", type=int, default=8, help="(prompt, answer) rows per request")
     parser.add_argument("--timeout", type=float, default=120.0, help="a request unanswered this long is an error")
-    parser.add_argument("--set", dest="overrides", action="append", default=["reward.max_seq_len=256"],
-                        metavar="KEY=VALUE", help="config overrides for both servers (default: reward.max_seq_len="
-                                                   "256, so a request's rows are HH dialogues cut as PPO's are)")
+    parser.add_argument("--set", dest="overrides", action="append", default=["reward.max_seq_len=64"],
+                        metavar="KEY=VALUE", help="config overrides for both servers (default: reward.max_seq_len=64, "
+                                                   "the end of an HH dialogue and its answer, so a run fits a few "
+                                                   "minutes of 2 cores)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
