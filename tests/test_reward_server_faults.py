@@ -25,10 +25,19 @@ from stages.reward_sources import RewardServerUnavailable
 ITERATIONS = 3
 
 
-def _start(folder: Path, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model", str(folder), "--preset",
-                             "tiny", "--port", str(port)], cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _start(folder: Path, port: int, log: Path) -> subprocess.Popen:
+    """`rlhf serve-reward` on `port`; its output appended to `log`."""
+    with log.open("a") as out:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model", str(folder), "--preset",
+                                 "tiny", "--port", str(port)], cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _ready(url: str, server: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while _batches(url) < 0:
+        assert server.poll() is None and time.time() < deadline, f"the server did not start: {log.read_text()}"
+        time.sleep(0.2)
 
 
 def _batches(url: str) -> int:
@@ -65,24 +74,25 @@ def rm_folder(full_run) -> Path:
     return tracking.download(tracking.outputs_of(full_run)["reward_model"])
 
 
-def test_ppo_rides_out_a_reward_server_killed_and_restarted(full_run, rm_folder):
+def test_ppo_rides_out_a_reward_server_killed_and_restarted(full_run, rm_folder, tmp_path):
     from flows.rlhf import rlhf
 
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    servers = [_start(rm_folder, port)]
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    servers = [_start(rm_folder, port, log)]
+    _ready(url, servers[0], log)
 
     def kill_and_restart() -> None:
         _wait_for_batches(url, 2)  # the baseline evaluation and the first rollout
         servers[0].kill()
         servers[0].wait()
         time.sleep(1.0)
-        servers.append(_start(rm_folder, port))
+        servers.append(_start(rm_folder, port, log))
 
     killer = threading.Thread(target=kill_and_restart, daemon=True)
     killer.start()
     try:
-        run_id = rlhf(preset="tiny", stages=["ppo"], from_run=full_run, overrides=_overrides(url, retries=6))
+        run_id = rlhf(preset="tiny", stages=["ppo"], from_run=full_run, overrides=_overrides(url, retries=8))
         killer.join(timeout=60)
         assert len(servers) == 2 and servers[0].returncode == -9
         assert _batches(url) >= 1  # the restarted server scored the rest of the run
@@ -93,12 +103,13 @@ def test_ppo_rides_out_a_reward_server_killed_and_restarted(full_run, rm_folder)
             server.wait()
 
 
-def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_run, rm_folder):
+def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_run, rm_folder, tmp_path):
     from flows.rlhf import rlhf
 
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = _start(rm_folder, port)
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    server = _start(rm_folder, port, log)
+    _ready(url, server, log)
     runs = tracking.rlhf_home() / "runs"
     before = set(runs.glob("*/ppo/checkpoints"))
 
@@ -118,8 +129,8 @@ def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_
         (checkpoints,) = set(runs.glob("*/ppo/checkpoints")) - before
         assert checkpoint.latest(checkpoints).name == "iter-000001" and str(checkpoint.latest(checkpoints)) in message
 
-        server = _start(rm_folder, port)  # back: the resumed run continues from the checkpoint
-        _wait_for_batches(url, 0, timeout=120)
+        server = _start(rm_folder, port, log)  # back: the resumed run continues from the checkpoint
+        _ready(url, server, log)
         killed = checkpoints.parents[1].name
         assert rlhf(preset="tiny", stages=["ppo"], overrides=_overrides(url, retries=2), resume=killed) == killed
         _each_iteration_logged_once(killed)
