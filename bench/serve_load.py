@@ -16,9 +16,10 @@ waits the Retry-After it was given, as PPO's client does. Errors are anything el
 that failed or hung past --timeout, a status other than 200 and 503, an answer without one score
 per row. When the time is up no new request starts; those in flight are waited for (and counted).
 
-Printed: the CPU and load average before and after; per K and server requests/s, scores/s, p50 and
-p99 latency of answered requests, 503s and errors, and the server's RSS idle and at its peak; per K
-batched / one-at-a-time scores/s.
+Each server first answers one request unmeasured (the first forward builds kernels and allocates
+buffers); its RSS after that is "idle". Printed: the CPU and load average before and after; per K
+and server requests/s, scores/s, p50 and p99 latency of answered requests, 503s and errors, and
+the server's RSS idle and at its peak; per K batched / one-at-a-time scores/s.
 
     .venv/bin/python bench/serve_load.py                        # demo preset, 10 s per K and server
     .venv/bin/python bench/serve_load.py --seconds 30 --clients 1 16 --rows 8
@@ -69,6 +70,8 @@ def main() -> None:
         try:
             for server in servers.values():
                 server.wait_ready()
+                print(f"{server.name}: first request {server.warm_up(rows[: args.rows]):.1f}s (kernels built, "
+                      f"buffers allocated: not measured)", flush=True)
             idle = {name: server.rss() for name, server in servers.items()}
             results = []
             for turn, clients in enumerate(args.clients):
@@ -123,6 +126,15 @@ class Server:
                 if self.proc.poll() is not None or time.time() > deadline:
                     raise SystemExit(f"the {self.name} server did not start: {self.proc.stdout.read()}")
                 time.sleep(0.5)
+
+    def warm_up(self, batch: list[tuple[str, str]]) -> float:
+        started = time.perf_counter()
+        body = json.dumps({"prompts": [p for p, _ in batch], "responses": [a for _, a in batch]}).encode()
+        request = urllib.request.Request(f"{self.url}/score", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            response.read()
+        return time.perf_counter() - started
 
     def rss(self) -> int:
         return self.process.memory_info().rss

@@ -833,9 +833,11 @@ class RewardServerConfig(_Section):
     max_wait_ms: float = Field(5.0, ge=0, description="How long the scoring worker waits for other requests to join "
                                                       "a batch once one is queued. ours: a few ms, small beside a "
                                                       "forward on a CPU.")
-    queue_rows: int = Field(256, ge=1, description="Rows waiting to be scored at most; a request that would go past "
-                                                   "it is answered 503 with Retry-After (an idle server takes any "
-                                                   "request within max_prompts). ours: two full forwards.")
+    queue_rows: int = Field(128, ge=1, description="Rows waiting or being scored at most; a request that would go "
+                                                   "past it is answered 503 with Retry-After (an idle server takes "
+                                                   "any request within max_prompts). ours: one forward of "
+                                                   "max_batch_rows; on a CPU a deeper queue only keeps clients "
+                                                   "waiting past their timeout (ppo.reward_timeout_s).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503. ours: about a forward's time.")
     max_body_bytes: int = Field(8 * 2**20, ge=1, description="Request body size at most (413 beyond). ours: 1024 "
                                                               "HH prompts and answers fit several times over.")

@@ -114,9 +114,12 @@ class ScoringQueue:
         self.thread.start()
 
     def close(self) -> None:
-        """Score what is queued, then stop the thread."""
+        """Stop the thread after its forward in progress. Called once uvicorn has drained the requests
+        in flight: what is still queued belongs to requests cut at graceful_shutdown_s, dropped."""
         with self.changed:
             self.closed = True
+            while self.jobs:
+                self.jobs.popleft().future.cancel()
             self.changed.notify_all()
         self.thread.join()
 
