@@ -24,6 +24,7 @@ the server's RSS idle and at its peak; per K batched / one-at-a-time scores/s.
     .venv/bin/python bench/serve_load.py                        # demo preset, 10 s per K and server
     .venv/bin/python bench/serve_load.py --seconds 30 --clients 1 16 --rows 8
     .venv/bin/python bench/serve_load.py --preset tiny --seconds 5
+    .venv/bin/python bench/serve_load.py --threads 1           # where other jobs load the cores
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64], help="the K to run")
     parser.add_argument("--seconds", type=float, default=10.0, help="load time per K and server")
     parser.add_argument("--rows", type=int, default=8, help="(prompt, answer) rows per request")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of each server (OMP_NUM_THREADS; default: torch's, one per core); 1 where "
+                             "other jobs load the cores (waiting threads of a parallel region stall it)")
     parser.add_argument("--timeout", type=float, default=120.0, help="a request unanswered this long is an error")
     parser.add_argument("--set", dest="overrides", action="append", default=["reward.max_seq_len=64"],
                         metavar="KEY=VALUE", help="config overrides for both servers (default: reward.max_seq_len=64, "
@@ -64,7 +68,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
         reward_dir, rows = prepare(args, Path(tmp))
-        print(f"{cpu_name()}; {load_average()}")
+        print(f"{cpu_name()}; server threads {args.threads or 'torch default'}; {load_average()}")
         servers = {"batched": start_server(reward_dir, args, batched=True),
                    "one-at-a-time": start_server(reward_dir, args, batched=False)}
         try:
@@ -154,7 +158,9 @@ def start_server(reward_dir: Path, args, batched: bool) -> Server:
     sets = [*args.overrides, f"reward_server.batch_across_requests={str(batched).lower()}"]
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model", str(reward_dir),
                              "--preset", args.preset, "--port", str(port), *(a for s in sets for a in ("--set", s))],
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                           **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     return Server("batched" if batched else "one-at-a-time", proc, port)
 
@@ -255,7 +261,7 @@ def cpu_name() -> str:
         model = "unknown CPU"
     import torch
 
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__} threads {torch.get_num_threads()}"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
