@@ -235,14 +235,14 @@ def test_sigterm_lets_a_request_in_flight_finish_and_exits_0(rm_folder):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model", str(rm_folder), "--preset",
-                             "tiny", "--port", str(port), "--set", "reward_server.max_wait_ms=1500"],
+                             "tiny", "--port", str(port), "--set", "reward_server.max_wait_ms=5000"],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(lambda: _health(url), timeout=120, process=proc)
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(post_scores, f"{url}/score", *GOOD, timeout_s=30, retries=0, auth_env=None)
-            _wait_for(lambda: _health(url)["queue_rows"] == 2)
+            _wait_for(lambda: _health(url)["queue_rows"] == 2, timeout=60)
             proc.send_signal(signal.SIGTERM)
             assert len(answer.result()) == 2
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
