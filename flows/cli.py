@@ -473,26 +473,27 @@ def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None
 
 
 def _serve_reward(args) -> int:
-    from stages.reward.serve import RewardScorer, make_server, token_from_env  # deferred: imports torch
+    from stages.reward.serve import RewardScorer, make_app, make_server, token_from_env  # deferred: imports torch
 
-    cfg = load_config(args.preset)
+    cfg = load_config(args.preset, args.overrides)
     token = token_from_env(args.auth_env)
     if args.auth_env and not token:
         raise ConfigError(f"--auth-env {args.auth_env}: that environment variable is not set")
-    # SIGTERM (a service manager's stop) ends it as Ctrl-C does: the server closes and the process
-    # exits normally, so a model copied from a remote store is removed (`tracking.download`).
+    # SIGTERM (a service manager's stop) ends it as Ctrl-C does: uvicorn lets the requests in flight
+    # finish, then raises the signal again, and the process exits normally, so a model copied from a
+    # remote store is removed (`tracking.download`).
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     folder = Path(args.model) if Path(args.model).is_dir() else tracking.download(args.model)
-    server = make_server(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len), args.host, args.port, token)
-    host, port = server.server_address[:2]
-    print(f"reward model {args.model} at http://{host}:{port}/score (POST {{prompts, responses, ended}} → "
-          f"{{scores}}; GET /health); PPO: --set ppo.reward=http://{host}:{port}/score", flush=True)
+    limits = cfg.reward_server
+    app = make_app(RewardScorer(folder, cfg.model, cfg.reward.max_seq_len, limits), limits, token)
+    server = make_server(app, args.host, args.port, limits)
+    print(f"reward model {args.model} at http://{args.host}:{args.port}/score (POST {{prompts, responses, ended}} → "
+          f"{{scores}}; GET /health, /metrics); PPO: --set ppo.reward=http://{args.host}:{args.port}/score",
+          flush=True)
     try:
-        server.serve_forever()
+        server.run()
     except KeyboardInterrupt:
         pass
-    finally:
-        server.server_close()
     return 0
 
 
@@ -597,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_reward.add_argument("--port", type=int, default=8765)
     serve_reward.add_argument("--auth-env", default=None, metavar="VAR",
                               help="require `Authorization: Bearer $VAR` (the token is read from the environment)")
+    serve_reward.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                              help="override a config value, e.g. --set reward_server.queue_rows=512 (the "
+                                   "reward_server section: batching and limits; repeatable)")
 
     runs_command = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
     runs_command.add_argument("--experiment", default="rlhf")
@@ -680,12 +684,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefect.exceptions import CancelledRun  # deferred: Prefect
 
+        from stages.reward_sources import RewardServerUnavailable  # deferred: imports torch
+
         state = None
         try:
             # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
             # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
             # The errors named are the expected ones, whose log lines are cut short too.
-            expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable)
+            expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable, RewardServerUnavailable)
             with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
                 _open_stores()
                 _check_runs_exist(args)
@@ -699,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
                   f"under contracts/.", file=sys.stderr)
             return 2
-        except tracking.TrackingUnavailable as err:
+        except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
             print(f"rlhf: {err}", file=sys.stderr)
             return 1
         except Exception as err:

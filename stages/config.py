@@ -868,6 +868,54 @@ class OrchestrationConfig(_Section):
                     "pipeline runs where the parent runs.")
 
 
+class RewardServerConfig(_Section):
+    """`rlhf serve-reward` (stages/reward/serve.py): how it batches across requests and the limits on
+    everything a client controls. Every limit answers a clear 4xx (or a 503 with Retry-After when the
+    server is busy) instead of holding a thread, memory or the model."""
+
+    token_budget: int = Field(16384, ge=1, description="Padded tokens per forward: rows × longest row. ours: the "
+                                                       "reward stage's token_budget (dynamic batching, paper §4.2), "
+                                                       "here over single rows instead of pairs.")
+    batch_across_requests: bool = Field(True, description="Score queued requests together; False: one request "
+                                                          "per round of forwards, its rows still in token-budget "
+                                                          "batches (the load bench's baseline). ours.")
+    max_batch_rows: int = Field(128, ge=1, description="Rows per forward at most. ours: the reward stage's max_pairs "
+                                                       "(paper: 4 to 128 pairs per batch).")
+    max_wait_ms: float = Field(5.0, ge=0, description="How long the scoring worker waits for other requests to join "
+                                                      "a batch once one is queued. ours: a few ms, small beside a "
+                                                      "forward on a CPU.")
+    queue_rows: int = Field(128, ge=1, description="Rows waiting or being scored at most; a request that would go "
+                                                   "past it is answered 503 with Retry-After (an idle server takes "
+                                                   "any request within max_prompts). ours: one forward of "
+                                                   "max_batch_rows; on a CPU a deeper queue only keeps clients "
+                                                   "waiting past their timeout (ppo.reward_timeout_s).")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 503. ours: about a forward's time.")
+    max_body_bytes: int = Field(8 * 2**20, ge=1, description="Request body size at most (413 beyond). ours: 1024 "
+                                                              "HH prompts and answers fit several times over.")
+    max_prompts: int = Field(1024, ge=1, description="(prompt, response) pairs per request at most (400 beyond). "
+                                                     "ours: 8 × the default ppo.rollout_batch_size, which PPO sends "
+                                                     "as one request.")
+    max_row_tokens: int = Field(8192, ge=1, description="Tokens of one prompt + response as encoded, before the cut "
+                                                        "to reward.max_seq_len (400 beyond). ours: 16 × the default "
+                                                        "reward.max_seq_len; longer text is a client error.")
+    max_header_bytes: int = Field(16384, ge=1, description="Request line and headers at most (uvicorn's "
+                                                           "h11_max_incomplete_event_size; 400 beyond). ours: "
+                                                           "uvicorn's default.")
+    header_timeout_s: float = Field(5.0, gt=0, description="Time to send the request line and headers, from the "
+                                                           "connection (or the previous response); a client that "
+                                                           "takes longer is disconnected. ours: uvicorn's keep-alive.")
+    body_timeout_s: float = Field(10.0, gt=0, description="Time to send the body once the headers are in (408 "
+                                                          "beyond). ours: 8 MiB at under 1 MB/s.")
+    keep_alive_s: int = Field(5, ge=1, description="Idle keep-alive connection lifetime (uvicorn's "
+                                                   "timeout_keep_alive). ours: uvicorn's default.")
+    max_connections: int = Field(512, ge=1, description="Open connections and requests at most (uvicorn's "
+                                                        "limit_concurrency: 503 beyond). ours: 8 × the 64 clients "
+                                                        "the load bench runs.")
+    graceful_shutdown_s: int = Field(30, ge=1, description="On SIGTERM or Ctrl-C, how long requests in flight may "
+                                                           "finish before the server closes. ours: a rollout batch "
+                                                           "on a busy CPU.")
+
+
 class PipelineConfig(_Section):
     """The whole pipeline: one section per stage, plus model, data, contracts and orchestration."""
 
@@ -886,6 +934,8 @@ class PipelineConfig(_Section):
                                                                          "comparisons.")
     study: StudyConfig = Field(StudyConfig(), description="`rlhf study`: PPO arms on one shared chain.")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
+    reward_server: RewardServerConfig = Field(RewardServerConfig(), description="`rlhf serve-reward`: batching "
+                                                                                "across requests and limits.")
 
     def section_hash(self, *sections: str) -> str:
         """Hash of the given sections ("sft") or single fields ("ppo.gamma")."""

@@ -47,6 +47,17 @@ class Finish:
     folders: tuple[Path, ...] = ()  # deleted with the checkpoints (PPO's collapse-guard passing point)
 
 
+class StepInterrupted(Exception):
+    """Raised by a stage's `step` that cannot go on (a service it needs is gone): the stage stops at
+    the step boundary with a checkpoint and ends with `error`, naming the checkpoint. `metrics`: the
+    step trained and is kept (its metrics logged, the checkpoint after it); None: the step undid
+    itself (the checkpoint before it, the step reruns on resuming)."""
+
+    def __init__(self, error: Exception, metrics: dict[str, float] | None = None):
+        super().__init__(str(error))
+        self.error, self.metrics = error, metrics
+
+
 class TrainingStage:
     """The parts of a training stage. A subclass builds everything in its constructor (before the
     lifecycle resumes a checkpoint over it, so numbers of the untrained model can be taken there)
@@ -114,7 +125,16 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
     while step < stage.total and not stage.stopped():
         interrupt.stop_point(dist, stage.name, f"after {stage.unit} {step} of {stage.total}",
                              save=lambda: f"checkpoint {save(step)}")
-        metrics = stage.step(step + 1)
+        try:
+            metrics = stage.step(step + 1)
+        except StepInterrupted as stop:
+            if stop.metrics is not None:
+                step += 1
+                if dist.is_main:
+                    tracker.log_metrics(stop.metrics, step=stage.metric_step(step))
+            saved = save(step)
+            raise type(stop.error)(f"stage {stage.name} stopped after {stage.unit} {step}: {stop.error}; checkpoint "
+                                   f"{saved} (rlhf run --resume continues from it)") from None
         step += 1
         if dist.is_main and (step % stage.log_every == 0 or step == stage.total):
             tracker.log_metrics(metrics, step=stage.metric_step(step))

@@ -13,13 +13,15 @@ The HTTP API (`rlhf serve-reward` serves a registered reward model with it):
     POST {"prompts": [str], "responses": [str], "ended": [bool], "query": [prompt + response]}
     →    {"scores": [float]}   ("rewards" is read too: OpenRLHF's remote RM answers with it)
 `query` is there for servers written for OpenRLHF's remote reward API. A request that fails
-(connection, timeout, 5xx) is retried `ppo.reward_retries` times with exponential backoff;
+(connection, timeout, 5xx) is retried `ppo.reward_retries` times with exponential backoff, or after
+the seconds a 503's Retry-After asks for;
 `ppo.reward_auth_env` names an environment variable whose value goes out as a bearer token
 (never logged). The eval stage's judge has the same three settings of its own.
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib
 import json
 import os
@@ -31,6 +33,20 @@ import torch
 
 class RewardSourceError(RuntimeError):
     """A reward source that cannot be loaded or that answered wrongly: the message says which."""
+
+
+class RewardServerUnavailable(RewardSourceError):
+    """A reward server that did not answer (connection refused or dropped, timeout) or answered 5xx
+    through every retry: PPO stops at the iteration boundary with a checkpoint (stages/ppo/stage.py)."""
+
+
+def retry_after(header: str | None, default: float) -> float:
+    """Seconds a 503's Retry-After asks for (delay-seconds; an HTTP date or nonsense: `default`),
+    at most 60."""
+    try:
+        return min(max(float(header), 0.0), 60.0) if header is not None else default
+    except ValueError:
+        return default
 
 
 def batch_texts(tokenizer, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
@@ -81,18 +97,24 @@ def post_scores(url: str, prompts: list[str], responses: list[str], ended: list[
     if auth_env and os.environ.get(auth_env):
         headers["Authorization"] = f"Bearer {os.environ[auth_env]}"
     for attempt in range(retries + 1):
+        backoff = min(2.0**attempt, 30.0)
         try:
             request = urllib.request.Request(url, data=body, headers=headers, method="POST")
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 answer = json.loads(response.read())
             break
         except urllib.error.HTTPError as err:
-            if err.code < 500 or attempt == retries:  # a client error will not mend by asking again
+            if err.code < 500:  # a client error will not mend by asking again
                 raise RewardSourceError(f"reward server {url} answered HTTP {err.code}: {err.read()[:200]!r}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             if attempt == retries:
-                raise RewardSourceError(f"reward server {url} unreachable after {retries + 1} tries: {err}") from None
-        time.sleep(min(2.0**attempt, 30.0))
+                raise RewardServerUnavailable(f"reward server {url} answered HTTP {err.code} {retries + 1} times: "
+                                              f"{err.read()[:200]!r}") from None
+            backoff = retry_after(err.headers.get("Retry-After"), backoff)
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as err:
+            if attempt == retries:
+                raise RewardServerUnavailable(f"reward server {url} unreachable after {retries + 1} tries: "
+                                              f"{err}") from None
+        time.sleep(backoff)
     scores = answer.get("scores", answer.get("rewards")) if isinstance(answer, dict) else None
     return _checked(scores, len(prompts), f"reward server {url}")
 

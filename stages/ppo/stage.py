@@ -11,13 +11,13 @@ import pandas as pd
 import torch
 
 from stages import lifecycle, mlflow_models, precision, sources, stats, tracking
-from stages.checkpoint import latest, roll_back, trainer_engines
+from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
-from stages.reward_sources import text_scores
+from stages.reward_sources import RewardServerUnavailable, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
@@ -232,9 +232,18 @@ class PPOTraining(lifecycle.TrainingStage):
 
     def step(self, number: int) -> dict[str, float]:
         ppo, trainer = self.ppo, self.trainer
-        metrics = trainer.step()
+        boundary = trainer.state(), rng_state()
+        try:
+            metrics = trainer.step()
+        except RewardServerUnavailable as err:  # nothing of the iteration is kept: it reruns on resuming
+            trainer.load_state(boundary[0])
+            load_rng_state(boundary[1])
+            raise lifecycle.StepInterrupted(err) from None
         if number % ppo.eval_every == 0 or number == ppo.iterations:
-            heldout_metrics, frame = evaluate(trainer, self.eval_prompts, self.eval_rows)
+            try:
+                heldout_metrics, frame = evaluate(trainer, self.eval_prompts, self.eval_rows)
+            except RewardServerUnavailable as err:  # the iteration trained: kept, without held-out numbers
+                raise lifecycle.StepInterrupted(err, metrics) from None
             metrics.update({**heldout_metrics, **paired_deltas(frame, self.baseline, self.cfg.statistics),
                             **self.collapse_guard.check(trainer, frame)})
         if trainer.dist.is_main and (number % ppo.samples_every == 0 or number == ppo.iterations):

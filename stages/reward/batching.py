@@ -56,6 +56,19 @@ def plan_token_batches(lengths_desc: list[int], token_budget: int, min_pairs: in
     return sizes[::-1]
 
 
+def row_batches(lengths: list[int], token_budget: int, max_rows: int) -> list[list[int]]:
+    """Single sequences (a reward server's rows, not pairs) cut as the pairs are: sorted longest
+    first, batches of rows × longest row within `token_budget`, at most `max_rows` each (a single row
+    over the budget goes alone). Returns row indices per batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if not order:
+        return []
+    # plan_token_batches prices a batch of pairs at size × 2 × longest: twice the budget prices rows at size × longest.
+    sizes = plan_token_batches([lengths[i] for i in order], 2 * token_budget, 1, max_rows, 1)
+    bounds = np.cumsum([0, *sizes])
+    return [order[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
 def even_sizes(n: int, max_size: int, multiple_of: int) -> list[int]:
     """Sizes of the fewest batches (a multiple of `multiple_of`) of at most max_size, as even as possible."""
     count = multiple_of * math.ceil(math.ceil(n / max_size) / multiple_of)

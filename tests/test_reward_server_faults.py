@@ -1,0 +1,139 @@
+"""Tiny PPO through the real flow against `rlhf serve-reward` processes that fail: one SIGKILLed
+mid-run and started again (PPO's client rides it out, the run finishes), one that never comes back
+(the stage stops at an iteration boundary with a checkpoint and a one-line error naming the URL,
+and a resume finishes the run). Every iteration's metrics are logged exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from stages import tracking
+from stages.config import REPO_ROOT
+from stages.launch import free_port
+from stages.ppo import checkpoint
+from stages.reward_sources import RewardServerUnavailable
+
+ITERATIONS = 3
+
+
+def _start(folder: Path, port: int, log: Path) -> subprocess.Popen:
+    """`rlhf serve-reward` on `port`; its output appended to `log`."""
+    with log.open("a") as out:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model", str(folder), "--preset",
+                                 "tiny", "--port", str(port)], cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _ready(url: str, server: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while _batches(url) < 0:
+        assert server.poll() is None and time.time() < deadline, f"the server did not start: {log.read_text()}"
+        time.sleep(0.2)
+
+
+def _batches(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return json.loads(response.read())["batches"]
+    except OSError:
+        return -1
+
+
+def _wait_for_batches(url: str, count: int, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while _batches(url) < count:
+        assert time.time() < deadline, f"{url} scored fewer than {count} batches"
+        time.sleep(0.02)
+
+
+def _overrides(url: str, retries: int) -> dict:
+    return {"ppo": {"reward": f"{url}/score", "reward_auth_env": None, "reward_retries": retries,
+                    "iterations": ITERATIONS, "eval_every": 1, "checkpoint_every": ITERATIONS}}
+
+
+def _each_iteration_logged_once(pipeline_run_id: str) -> None:
+    (ppo_run,) = [r for r in tracking.stage_runs(pipeline_run_id) if r.data.tags["rlhf.stage"] == "ppo"]
+    assert ppo_run.info.status == "FINISHED"
+    client = tracking.client()
+    for name, steps in (("objective/scores", range(1, ITERATIONS + 1)), ("eval/score", range(ITERATIONS + 1))):
+        logged = sorted(m.step for m in client.get_metric_history(ppo_run.info.run_id, name))
+        assert logged == list(steps), name
+
+
+@pytest.fixture(scope="module")
+def rm_folder(full_run) -> Path:
+    return tracking.download(tracking.outputs_of(full_run)["reward_model"])
+
+
+def test_ppo_rides_out_a_reward_server_killed_and_restarted(full_run, rm_folder, tmp_path):
+    from flows.rlhf import rlhf
+
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    servers = [_start(rm_folder, port, log)]
+    _ready(url, servers[0], log)
+
+    def kill_and_restart() -> None:
+        _wait_for_batches(url, 2)  # the baseline evaluation and the first rollout
+        servers[0].kill()
+        servers[0].wait()
+        time.sleep(1.0)
+        servers.append(_start(rm_folder, port, log))
+
+    killer = threading.Thread(target=kill_and_restart, daemon=True)
+    killer.start()
+    try:
+        run_id = rlhf(preset="tiny", stages=["ppo"], from_run=full_run, overrides=_overrides(url, retries=8))
+        killer.join(timeout=60)
+        assert len(servers) == 2 and servers[0].returncode == -9
+        assert _batches(url) >= 1  # the restarted server scored the rest of the run
+        _each_iteration_logged_once(run_id)
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_run, rm_folder, tmp_path):
+    from flows.rlhf import rlhf
+
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
+    server = _start(rm_folder, port, log)
+    _ready(url, server, log)
+    runs = tracking.rlhf_home() / "runs"
+    before = set(runs.glob("*/ppo/checkpoints"))
+
+    def kill() -> None:
+        _wait_for_batches(url, 3)  # the baseline evaluation, the first rollout and its evaluation
+        server.kill()
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(RewardServerUnavailable) as stopped:
+            rlhf(preset="tiny", stages=["ppo"], from_run=full_run, overrides=_overrides(url, retries=2))
+        message = str(stopped.value)
+        assert "\n" not in message
+        assert message.startswith(f"stage ppo stopped after iteration 1: reward server {url}/score unreachable "
+                                  f"after 3 tries")
+        (checkpoints,) = set(runs.glob("*/ppo/checkpoints")) - before
+        assert checkpoint.latest(checkpoints).name == "iter-000001" and str(checkpoint.latest(checkpoints)) in message
+
+        server = _start(rm_folder, port, log)  # back: the resumed run continues from the checkpoint
+        _ready(url, server, log)
+        killed = checkpoints.parents[1].name
+        assert rlhf(preset="tiny", stages=["ppo"], overrides=_overrides(url, retries=2), resume=killed) == killed
+        _each_iteration_logged_once(killed)
+    finally:
+        server.kill()
+        server.wait()
