@@ -67,7 +67,7 @@ class CriticTraining(lifecycle.TrainingStage):
     """One `step` is one rollout of the frozen policy and the critic's minibatch steps on it."""
 
     name, unit, checkpoint_unit = "critic", "rollout", "iter"
-    progress = {"value_loss": "critic/value_avg", "explained_variance": "critic/explained_variance"}
+    progress_metrics = {"value_loss": "critic/value_avg", "explained_variance": "critic/explained_variance"}
 
     def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
         critic_cfg = self.critic_cfg = cfg.critic

@@ -74,7 +74,7 @@ class TrainingStage:
     guard: NonFiniteGuard
     params: dict  # the MLflow params of a fresh start
     first_metrics: dict[str, float] = {}  # logged at step 0 (the untrained model's numbers)
-    progress: dict[str, str] = {}  # progress bar label → metric shown
+    progress_metrics: dict[str, str] = {}  # progress bar label → the metric it shows
 
     def state(self) -> dict:
         """The stage's own state for a checkpoint (the step and the guard's counts are added)."""
@@ -141,7 +141,7 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
         if stage.checkpoint_every and step % stage.checkpoint_every == 0 and step < stage.total and not stage.stopped():
             save(step)
         progress.update(1)
-        progress.set_postfix({label: f"{metrics[name]:.3f}" for label, name in stage.progress.items()})
+        progress.set_postfix({label: f"{metrics[name]:.3f}" for label, name in stage.progress_metrics.items()})
     progress.close()
     train_seconds = time.perf_counter() - started
 

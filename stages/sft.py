@@ -81,7 +81,9 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
 
 
 class SFTTraining(lifecycle.TrainingStage):
-    name, progress = "sft", {"loss": "train/loss"}
+    """One `step` is one optimiser step over a global batch of SFT examples (`accumulate_step`)."""
+
+    name, progress_metrics = "sft", {"loss": "train/loss"}
 
     def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
         sft = self.sft = cfg.sft

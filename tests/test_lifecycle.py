@@ -35,7 +35,7 @@ class ToyTraining(lifecycle.TrainingStage):
     """Least squares: a linear map fitted by AdamW to a fixed random one, on a fresh random batch
     each step (torch's generator: a resumed run draws the batches an uninterrupted one would)."""
 
-    name, progress = "toy", {"loss": "toy/loss"}
+    name, progress_metrics = "toy", {"loss": "toy/loss"}
 
     def __init__(self, dist):
         torch.manual_seed(0)

@@ -189,7 +189,7 @@ class PPOTraining(lifecycle.TrainingStage):
     and the collapse guard's verdict on it."""
 
     name, unit, checkpoint_unit, keep_checkpoints = "ppo", "iteration", "iter", 2
-    progress = {"score": "objective/scores", "kl": "objective/kl"}
+    progress_metrics = {"score": "objective/scores", "kl": "objective/kl"}
 
     def __init__(self, cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist):
         ppo = self.ppo = cfg.ppo

@@ -138,7 +138,9 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
 
 
 class RewardTraining(lifecycle.TrainingStage):
-    name, progress = "reward", {"loss": "train/loss", "acc": "train/accuracy"}
+    """One `step` is one optimiser step over a batch of preference pairs (pairwise + LM loss)."""
+
+    name, progress_metrics = "reward", {"loss": "train/loss", "acc": "train/accuracy"}
 
     def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
         rm = self.rm = cfg.reward
