@@ -177,8 +177,8 @@ def policy(cfg: PipelineConfig) -> list:
 
 def evaluation(cfg: PipelineConfig) -> list:
     """The eval stage's probe: one row per C-Eval answer (kind `ceval`) and per judged pair
-    (kind `judge`; `invalid`: no parseable verdict after a retry, tolerated up to a fraction)."""
-    rules = cfg.contracts.eval
+    (kind `judge`; `invalid`: no parseable verdict after a retry; how many a judge may have is the
+    `judge` suite's rule, per judge)."""
     ceval_rows, judge_rows = 'kind == "ceval"', 'kind == "judge"'
     scored_rows = 'judge_kind in ["reward_model", "reward_source"]'  # score judges: both scores finite
     return [
@@ -191,10 +191,20 @@ def evaluation(cfg: PipelineConfig) -> list:
         gxe.ExpectColumnValuesToNotBeNull(column="verdict", **_rows(judge_rows)),
         gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose", "invalid"],
                                         **_rows(judge_rows)),
-        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose"],
-                                        mostly=1.0 - rules.max_invalid_fraction, **_rows(judge_rows)),
         *_finite("score_policy", where=scored_rows),
         *_finite("score_sft", where=scored_rows),
+    ]
+
+
+def judge(cfg: PipelineConfig) -> list:
+    """One judge's verdicts on the eval stage's pairs (the gate runs it once per judge, `GROUPED`):
+    `invalid` (no parseable verdict after a retry) tolerated up to a fraction. A judge that breaks
+    it cannot judge; the gate names it and the other judges' results stand."""
+    rules = cfg.contracts.eval
+    return [
+        *_schema(["row", "judge", "verdict"]),
+        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose"],
+                                        mostly=1.0 - rules.max_invalid_fraction),
     ]
 
 
@@ -206,7 +216,12 @@ SUITES: dict[str, Callable[[PipelineConfig], list]] = {
     "critic": critic,
     "policy": policy,
     "evaluation": evaluation,
+    "judge": judge,
 }
+
+# Suites the gate runs once per value of a column, each value's rows apart (`<suite>.<value>`): the
+# handoff passes when every other suite passes and at least one group does.
+GROUPED: dict[str, str] = {"judge": "judge"}
 
 # Per-row columns computed from the stage's columns, for batch rules GX states as a column mean.
 DERIVED: dict[str, dict[str, Callable[[pd.DataFrame], pd.Series]]] = {

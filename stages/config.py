@@ -648,10 +648,17 @@ class LocalJudgeConfig(_Section):
 
 
 class RewardModelJudgeConfig(_Section):
-    """The run's reward model as a score judge: the answer with the higher r(x, y) wins."""
+    """A reward model as a score judge (the run's own, or `model`): the answer with the higher
+    r(x, y) wins."""
 
     kind: Literal["reward_model"] = Field("reward_model", description="Judge type.")
     name: str = Field("reward_model", description="In metric names: eval/judge/<name>/...")
+    model: str | None = Field(
+        None, description="The reward model that judges: a registered version (`models:/name/3`, "
+                          "`models:/name@alias`), a run's model (`runs:/<id>/...`), a local folder or a hub name, in "
+                          "the layout the reward stage saves. None: the run's own reward model. A gold RM trained "
+                          "on other pairs than the policy's (Gao et al. 2022) judges what that one cannot: its "
+                          "own over-optimisation.")
     tie_margin: float = Field(0.0, description="|r(policy) − r(SFT)| ≤ this is a tie.")
     max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
@@ -711,10 +718,11 @@ class EvalConfig(_Section):
     max_prompt_len: int = Field(256, description="Longer prompts lose their oldest tokens.")
     judges: list[JudgeConfig] = Field(
         [RewardModelJudgeConfig(), OpenAIJudgeConfig()],
-        description="Judges of policy vs SFT responses (kind: reward_model, openai, local); the first decides "
-                    "the champion.")
+        description="Judges of policy vs SFT responses (kind: reward_model, openai, local, reward_source); the "
+                    "first that can judge (its invalid verdicts within contracts.eval.max_invalid_fraction) "
+                    "decides the champion.")
     champion_min_lower_bound: float = Field(
-        0.0, description="The first judge decides: alias @champion on the policy version when the lower bound of "
+        0.0, description="The first judge that can judge decides: alias @champion on the policy version when the lower bound of "
                          "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
                          "point estimate above it is not enough: on a few dozen prompts it is often noise.")
     seed: int = Field(42, description="Seed of the sampling.")
