@@ -102,6 +102,10 @@ class SplitSizes(_Section):
     ppo_prompts: int = Field(256, description="Prompts PPO rolls out.")
     eval_prompts: int = Field(128, description="Held-out prompts: SFT perplexity and probe, critic and policy "
                                                "contracts, the eval stage.")
+    gold_rm_train: int = Field(0, ge=0, description="Pairs a gold reward model trains on (`reward.pairs=gold`, "
+                                                    "`study.gold`), disjoint from the proxy RM's (Gao et al. 2022's "
+                                                    "gold RM). 0: none.")
+    gold_rm_eval: int = Field(0, ge=0, description="Held-out pairs for the gold reward model's accuracy. 0: none.")
 
 
 class DataConfig(_Section):
@@ -233,6 +237,10 @@ class RewardConfig(_TrainingSection):
 
     lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
     weight_decay: float = Field(0.0, description="AdamW weight decay. MOSS: weight_decay 0 (config_rm.py).")
+    pairs: Literal["proxy", "gold"] = Field(
+        "proxy", description="Which pairs the reward model learns from: `proxy` rm_train (judged on rm_eval), the one "
+                             "PPO optimises; `gold` gold_rm_train (judged on gold_rm_eval), a gold RM on pairs "
+                             "disjoint from the proxy's that judges the policy (Gao et al. 2022, `study.gold`).")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
@@ -508,6 +516,11 @@ class PPOConfig(_TrainingSection):
                                             "correlation, and paired deltas to SFT's responses to the same prompts "
                                             "with confidence intervals (`statistics`); the collapse guard reads it. "
                                             "ours: ten evaluations in a default run.")
+    gold_reward_model: str | None = Field(
+        None, description="A gold reward model (a model URI or local folder in the reward stage's layout) that scores "
+                          "the held-out responses at every held-out evaluation beside the proxy RM PPO trains "
+                          "against, never a reward: eval/gold_score and its paired delta. Gao et al. 2022's "
+                          "over-optimisation measure; `study.gold` sets it. None: none.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) per evaluation. ours: 64, "
                                                  "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "

@@ -35,6 +35,8 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
              "reward_model_dir": str(tracking.download(inputs["reward_model"], downloads))}
     if inputs.get("critic_model") and needs_critic(cfg.ppo):
         local["critic_model_dir"] = str(tracking.download(inputs["critic_model"], downloads))
+    if cfg.ppo.gold_reward_model:
+        local["gold_reward_model_dir"] = str(tracking.download(cfg.ppo.gold_reward_model, downloads))
     return local
 
 
@@ -115,10 +117,12 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
 
 
 @torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> tuple[dict[str, float], pd.DataFrame]:
+def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int], gold_fn=None
+             ) -> tuple[dict[str, float], pd.DataFrame]:
     """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT, EOS rate,
     distinct-2 (repetition inside a response), the score-length correlation (a reward-hacking sign);
-    and per response (each rank's share of `rows`, gathered) what the policy contract judges."""
+    and per response (each rank's share of `rows`, gathered) what the policy contract judges. With
+    `gold_fn` (a gold RM's score_fn) each response's gold score too."""
     exp, _, _ = trainer.rollout(prompts, update_moments=False)
     mask = exp.response_mask
     kl = ((exp.logprobs - exp.ref_logprobs) * mask).sum(1)
@@ -126,6 +130,8 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> 
     per_response = {"response_tokens": mask.sum(1), "ended_with_eos": exp.ended_with_eos, "kl": kl,
                     "perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask, dim=1)), "score": exp.scores,
                     "distinct_2": torch.tensor([stats.distinct_n([r], 2) for r in responses])}
+    if gold_fn is not None:
+        per_response["gold_score"] = gold_fn(exp.sequences, exp.attention_mask, exp.prompt_width, mask).float()
     gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in per_response.items()})
     frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int, "ended_with_eos": bool})
     metrics = {  # over all ranks' responses (the gathered frame)
@@ -137,6 +143,8 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> 
         "eval/distinct_2": frame["distinct_2"].mean(),
         "eval/score_length_corr": stats.correlation(frame["score"], frame["response_tokens"]),
     }
+    if gold_fn is not None:
+        metrics["eval/gold_score"] = frame["gold_score"].mean()
     metrics["eval/perplexity"] = trainer.mean_across_ranks({"p": metrics["eval/perplexity"]})["p"]
     return {k: float(v) for k, v in metrics.items()}, frame
 
@@ -147,7 +155,9 @@ def paired_deltas(frame: pd.DataFrame, baseline: pd.DataFrame, statistics: Stati
     options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
     metrics: dict[str, float] = {}
     for column, name in (("score", "score"), ("response_tokens", "response_length"), ("perplexity", "perplexity"),
-                         ("ended_with_eos", "eos_rate")):
+                         ("ended_with_eos", "eos_rate"), ("gold_score", "gold_score")):
+        if column not in frame.columns:
+            continue
         interval = stats.paired_delta(frame[column].astype(float), baseline[column].astype(float), **options)
         metrics.update(interval.metrics(f"eval/{name}_delta"))
     return metrics
@@ -202,7 +212,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
     # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
     # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
     # curve, of the paired deltas and of the policy contract.
-    baseline_metrics, baseline = evaluate(trainer, eval_prompts, eval_rows)
+    gold_fn = None
+    if "gold_reward_model_dir" in inputs:
+        gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
+                                 precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
+        gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
+    baseline_metrics, baseline = evaluate(trainer, eval_prompts, eval_rows, gold_fn)
     guard = CollapseGuard(cfg, baseline, dist.workdir, dist)
     if resume_from is not None:
         checkpoint.load(trainer, resume_from)
@@ -226,7 +241,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
         metrics = trainer.step()
         it = trainer.iteration
         if it % ppo.eval_every == 0 or it == ppo.iterations:
-            heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows)
+            heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows, gold_fn)
             metrics.update({**heldout_metrics, **paired_deltas(frame, baseline, cfg.statistics),
                             **guard.check(trainer, frame)})
         if dist.is_main:
