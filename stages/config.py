@@ -789,6 +789,28 @@ class StudyConfig(_Section):
                     "PPO (Figs. 4 and 9).")
     ablations: bool = Field(False, description="Also one arm per PPO-max switch turned off alone (`ppo-max without "
                                                "<switch>`), the paper's ablation of its tricks.")
+    gold: bool = Field(
+        False, description="Train a gold reward model on data.splits.gold_rm_train (pairs disjoint from the proxy "
+                           "RM's) and make it the judge of record: every held-out check scores with it "
+                           "(ppo.gold_reward_model) and it is the eval stage's first judge, so it decides the "
+                           "champion. Gao et al. 2022's setup: a proxy RM judging its own optimisation cannot tell a "
+                           "better policy from a hacked one. Ours: the gold RM has the proxy's size and recipe, on "
+                           "other pairs (Gao et al.'s gold RM is larger).")
+    seeds: list[int] = Field(
+        [], description="Run every arm once per seed (ppo.seed) on the same chain; the table gives each arm's deltas "
+                        "with a Student-t interval across seeds and the per-seed values, so a claim is over training "
+                        "runs, not only prompts. Empty: one run per arm at the preset's ppo.seed.")
+    best_of_n: list[int] = Field(
+        [], description="Best-of-n arms (stages/best_of_n.py): n answers of the SFT model per held-out prompt, the "
+                        "proxy RM's favourite kept, no training; KL to SFT log n − (n−1)/n (Stiennon et al. 2020, "
+                        "Gao et al. 2022). Gao et al.'s n: 1 to 60,000; empty: none.")
+
+    @field_validator("best_of_n")
+    @classmethod
+    def _positive_n(cls, value: list[int]) -> list[int]:
+        if any(n < 1 for n in value):
+            raise ValueError(f"study.best_of_n: every n is at least 1, got {value}")
+        return sorted(set(value))
 
     @model_validator(mode="after")
     def _arms_share_the_chain(self) -> StudyConfig:
