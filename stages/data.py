@@ -424,6 +424,8 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     own = read_own_sources(cfg.data)
     splits = make_splits(pairs, cfg, tuple(name for name in SPLITS if name not in own))
     splits, left_out = add_own_splits(splits, own, cfg)
+    # A pipeline without a gold RM has no gold splits: no empty files or inputs for them.
+    splits = {name: rows for name, rows in splits.items() if rows or name not in RM_SPLITS["gold"]}
     out = tracker.workdir / "splits"
     for name, rows in splits.items():
         write_jsonl(rows, out / f"{name}.jsonl")
