@@ -1,4 +1,4 @@
-"""Do the fast decoder's packed weights win on this CPU? (issue 19 item 3)
+"""Do the fast decoder's packed weights win on this CPU?
 
 The Llama decode step (stages/models/llama.py `PackedLinear`) multiplies a batch of one token per
 row by each weight; it packs the weights once per rollout for the batch size: bf16 weights in

@@ -67,7 +67,7 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
 
     from stages import plan, precision, sources
     from stages.config import load_config
-    from stages.guards import NonFiniteGuard
+    from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
 
     torch.manual_seed(0)

@@ -80,7 +80,7 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
 
     from stages import sources
     from stages.data import encode_example
-    from stages.guards import NonFiniteGuard
+    from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
     from stages.sft import accumulate_step, heldout_perplexity
     from stages.training import PlainEngine, adamw, cosine_with_warmup, trained_model

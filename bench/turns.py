@@ -55,7 +55,7 @@ def report_turn(**fields) -> None:
     mapped anew and zeroed; major: one read back from a file). On a GPU the side first hands the
     memory its allocator holds unused back to the driver: the sides share one GPU, and each side's
     cache of its own turn's peak (TRL's fp32 side at a ~1B model: 27 GiB) left the next side too little
-    (stop 35: out of memory on an H100 with three sides). Every side pays it alike, after its timed turn."""
+    (three sides of a ~1B model ran out of memory on one H100). Every side pays it alike, after its timed turn."""
     (minor, major), (minor_0, major_0) = _faults(), _faults_at_turn_start
     if (cuda := _cuda_in_use()) is not None:
         cuda.empty_cache()
@@ -76,7 +76,7 @@ def wait_for_the_end() -> None:
     turns (`Worker.peak_rss_mib`). A side's process that went on to its own end at once (a
     trainer's wrap-up after its last step, gigabytes freed at exit) did so while the other side's
     last turn was timed: with TRL's PPO process ending beside it, our last iteration was slower
-    than the others in every peer_trl.py run, and in no run of ours alone (bench/README.md)."""
+    than the others in every peer_trl.py run, and in no run of ours alone."""
     global _ended
     if not _ended:
         if sys.stdin.readline().strip() != "finish":

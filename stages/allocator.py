@@ -4,7 +4,8 @@ PyTorch's own launcher for Xeon CPUs (`python -m torch.backends.xeon.run_cpu`) p
 glibc's malloc gives a freed block above its mmap threshold (32 MiB at most) back to the kernel, so
 a step's large tensors — the activations of a longer batch than the last, the embedding's gradient
 — are mapped again and every page faulted in and zeroed, tens of thousands of faults in a step.
-TCMalloc keeps freed pages for the next step (bench/README.md has the measurements).
+TCMalloc keeps freed pages for the next step (`bench/peer_trl_rm.py --trl-allocator tcmalloc` gives
+TRL's side the same allocator, so its ratio shows what the allocator alone is worth).
 
 A process's allocator is chosen when it starts (LD_PRELOAD): `rlhf run` and `rlhf study` start
 their pipeline in a child (flows/cli.py), `rlhf serve` starts itself again, `rlhf up` its serve

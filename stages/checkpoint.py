@@ -1,11 +1,15 @@
-"""Training checkpoints, for every stage that trains (PPO, SFT, reward): engines (weights,
-optimisers, schedulers), the stage's own state (step, data position, counters), and each rank's
-RNG states (torch CPU and CUDA generators) — written atomically, verified before loading.
+"""Training checkpoints, the one format of every stage that trains (SFT, reward, critic, PPO and
+the PPO collapse guard's passing points): engines (weights, optimisers, schedulers), the stage's own
+state (step, non-finite guard counts, data position, counters), and each rank's RNG states (torch
+CPU and CUDA generators) — written atomically, verified before loading.
 
-Layout: `<dir>/<unit>-000010/` (`iter-` for PPO, `step-` for SFT and reward) holding
-`manifest.json` (sha256 of every file) and the files; a checkpoint is written into a temporary
-folder and renamed into place, so a crash mid-write leaves no folder that looks complete. Loading
-takes the newest folder whose manifest verifies.
+Layout: `<dir>/<unit>-000010/` (`iter-` for PPO and the critic, `step-` for SFT and reward)
+holding `manifest.json` (sha256 of every file) and the files; a checkpoint is written into a
+temporary folder and renamed into place, so a crash mid-write leaves no folder that looks complete.
+Loading takes the newest folder whose manifest verifies.
+
+Our own code rather than `accelerate`'s `save_state` or DeepSpeed's alone: one format for plain and
+DeepSpeed engines, with the manifest check and the full-disk error that a resumed stage relies on.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from safetensors.torch import load_file
 from stages.sources import file_digest
 
 MANIFEST = "manifest.json"
-STATE = "state.pt"  # the stage's own state (PPO's: trainer.pt, its name before the others had one)
+STATE = "state.pt"  # the stage's own state
 
 
 class DiskFullError(RuntimeError):
@@ -44,8 +48,7 @@ def _save_file(path: Path, write) -> None:
         write(out)
 
 
-def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: int = 2, unit: str = "step",
-         state_file: str = STATE) -> Path:
+def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: int = 2, unit: str = "step") -> Path:
     """Write checkpoint `<unit>-<number>` of `engines` (name → engine) and `state` (collective under
     DeepSpeed); keep the newest `keep` checkpoints. A full disk raises DiskFullError, the
     checkpoints before this one intact."""
@@ -62,7 +65,7 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
         if needed > free:
             raise full(f"it needs about {needed / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free in {directory}")
     try:
-        _write(tmp, number, engines, state, dist, state_file)
+        _write(tmp, number, engines, state, dist)
     except (OSError, RuntimeError) as err:
         free_at_failure = shutil.disk_usage(directory).free
         if dist.is_main:
@@ -122,7 +125,7 @@ def _rng_file(folder: Path, rank: int) -> Path:
     return folder / "rng" / f"rank-{rank:05d}.pt"
 
 
-def _write(tmp: Path, number: int, engines: dict, state: dict, dist, state_file: str) -> None:
+def _write(tmp: Path, number: int, engines: dict, state: dict, dist) -> None:
     """The files of a checkpoint, and last its manifest, into folder `tmp`."""
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,7 +143,7 @@ def _write(tmp: Path, number: int, engines: dict, state: dict, dist, state_file:
             _save_file(tmp / f"{name}.optim.pt", lambda out: torch.save(optim, out))
     dist.barrier()
     if dist.is_main:
-        _save_file(tmp / state_file, lambda out: torch.save(state, out))
+        _save_file(tmp / STATE, lambda out: torch.save(state, out))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {"number": number, "files": {str(p.relative_to(tmp)): file_digest(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -168,11 +171,11 @@ def latest(directory: Path) -> Path | None:
     return None
 
 
-def load(folder: Path, engines: dict, dist, state_file: str = STATE) -> dict:
+def load(folder: Path, engines: dict, dist) -> dict:
     """Restore `engines` and this rank's RNG from a checkpoint folder written by `save`; the
     stage's own state."""
     load_engines(folder, engines, dist)
-    state = torch.load(folder / state_file, weights_only=True)
+    state = torch.load(folder / STATE, weights_only=True)
     if _rng_file(folder, dist.rank).exists():
         load_rng_state(torch.load(_rng_file(folder, dist.rank), weights_only=True))
     return state
@@ -197,39 +200,39 @@ def discard(dist, *folders: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-class StepCheckpoints:
-    """The checkpoints of a stage that trains in optimiser steps (SFT, reward): every `every`
-    steps and when a stop is asked, in `<stage workdir>/checkpoints`; a rerun in the same folder
-    (`rlhf run --resume`) continues from the newest. Deleted once the stage's model is published:
-    they serve resuming only."""
+def stage_state(step: int, guard, state: dict) -> dict:
+    """What a checkpoint's state file holds: the steps (or iterations) done, the non-finite guard's
+    counts, and the stage's own state."""
+    return {"step": step, "guard": guard.state_dict(), **state}
 
-    def __init__(self, dist, every: int):
-        self.dist, self.every = dist, every
-        self.directory = dist.workdir / "checkpoints"
-        self.resumed_from: Path | None = None
 
-    def resume(self, engines: dict) -> dict | None:
-        """The stage's state from the newest checkpoint (engines and RNG restored), or None."""
-        self.resumed_from = latest(self.directory)
-        return None if self.resumed_from is None else load(self.resumed_from, engines, self.dist)
+# -- a PPO trainer (PPO and critic pre-training) ----------------------------------------------------
+def trainer_engines(trainer) -> dict:
+    """The engines a PPO trainer's checkpoint holds: the critic, if the advantage estimator has one,
+    and the actor unless frozen (critic pre-training)."""
+    engines = {"critic": trainer.critic} if trainer.critic is not None else {}
+    if trainer.train_actor:
+        engines["actor"] = trainer.actor
+    return engines
 
-    def begin(self, engines: dict, guard, tracker, params: dict) -> dict | None:
-        """A stage's start: resume from the newest checkpoint if there is one (engines, RNG and the
-        non-finite guard's count); on the main rank log `params` when starting fresh, tag where it
-        resumed from, and skip the steps the killed attempt logged after its checkpoint. Returns the
-        resumed state (with `step`), or None."""
-        resumed = self.resume(engines)
-        if resumed:
-            guard.load_state_dict(resumed["guard"])
-        if self.dist.is_main:
-            tracker.start_attempt(params, self.resumed_from)
-        return resumed
 
-    def save(self, step: int, engines: dict, state: dict) -> Path:
-        return save(self.directory, step, engines, state, self.dist, keep=1)
+def save_trainer(trainer, directory: Path, keep: int = 2) -> Path:
+    """Checkpoint `iter-<iteration>` of a PPO trainer: its engines, running moments, prompt cursor,
+    RNG states and non-finite guard; keep the newest `keep`."""
+    return save(directory, trainer.iteration, trainer_engines(trainer),
+                stage_state(trainer.iteration, trainer.guard, trainer.state()), trainer.dist, keep=keep, unit="iter")
 
-    def due(self, step: int, total_steps: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < total_steps
 
-    def remove(self) -> None:
-        discard(self.dist, self.directory)
+def load_trainer(trainer, folder: Path) -> None:
+    """Restore a PPO trainer from a checkpoint folder of `save_trainer` (or of the lifecycle)."""
+    state = load(folder, trainer_engines(trainer), trainer.dist)
+    trainer.load_state(state)
+    trainer.guard.load_state_dict(state["guard"])
+
+
+def roll_back(trainer, folder: Path) -> None:
+    """Restore the models, optimisers, schedulers and running score statistics of a checkpoint, but
+    not its progress: iteration, episode, prompt cursor and RNG go on where they are (the collapse
+    guard's rollback trains on fresh prompts, and the curves keep one step per iteration run)."""
+    load_engines(folder, trainer_engines(trainer), trainer.dist)
+    trainer.moments.load_state_dict(torch.load(folder / STATE, weights_only=True)["moments"])

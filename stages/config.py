@@ -197,7 +197,24 @@ class _TrainingSection(_Section):
                                                              "default.")
 
 
-class SFTConfig(_TrainingSection):
+class _PromptAnswerSection(_TrainingSection):
+    """A training stage on (prompt, answer) examples cut to fit (SFT, the reward model):
+    `stages.data.encode_example` cuts the answer to max_response_len and the prompt to what is left
+    of max_seq_len."""
+
+    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
+    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
+
+    @model_validator(mode="after")
+    def _answer_leaves_room_for_the_prompt(self) -> _PromptAnswerSection:
+        if self.max_response_len >= self.max_seq_len:
+            raise ValueError(f"max_response_len={self.max_response_len} must be below max_seq_len="
+                             f"{self.max_seq_len}: a response that long leaves no token of its prompt (the prompt is "
+                             f"cut to max_seq_len − max_response_len tokens)")
+        return self
+
+
+class SFTConfig(_PromptAnswerSection):
     """Supervised fine-tuning on the SFT split's chosen answers (paper §5.1)."""
 
     lr: float = Field(9.5e-6, description="Peak learning rate. paper §5.1.")
@@ -213,8 +230,6 @@ class SFTConfig(_TrainingSection):
                                                   "OpenRLHF: lr_warmup_ratio 0.03.")
     min_lr_ratio: float = Field(0.1, description="The cosine decays to this fraction of the peak lr (paper §5.1: "
                                                  "10 %).")
-    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
-    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) whose chosen answers give the "
                                                  "perplexity before and after. ours: "
                                                "enough for a stable mean, cheap on a CPU.")
@@ -232,7 +247,7 @@ class SFTConfig(_TrainingSection):
                                                             "off, small models fit without it.")
 
 
-class RewardConfig(_TrainingSection):
+class RewardConfig(_PromptAnswerSection):
     """Reward model (paper §4.2): pairwise loss + β_rm · LM loss, dynamic token batching."""
 
     lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
@@ -254,8 +269,6 @@ class RewardConfig(_TrainingSection):
     max_pairs: int = Field(128, description="Pairs per batch at most, paper: 4 to 128.")
     fixed_pairs: int = Field(8, description="Pairs per batch and rank when dynamic_batching is off. ours: "
                                             "small batches (MOSS's config_rm.py: batch_size 8 per GPU).")
-    max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
-    max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
     warmup_ratio: float = Field(0.1, description="Linear warm-up over this fraction of the optimiser steps. paper "
                                                  "§4.2 (MOSS train_rm.sh: 100 of 1000 steps).")
     heldout_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
@@ -316,7 +329,9 @@ class PolicyContract(_Section):
     """Policy contract (the paper's pattern-collapse guard), on the PPO stage's final held-out
     evaluation, relative to the SFT policy's evaluation before the first iteration."""
 
-    max_kl: float = Field(10.0, description="Mean KL(π ‖ π_SFT) per held-out response, nats.")
+    max_kl: float = Field(10.0, description="Mean KL(π ‖ π_SFT) per held-out response, nats: k1 summed over the "
+                                            "response's tokens, both models at ppo.generation.temperature (the "
+                                            "tempered KL PPO penalises).")
     min_length_ratio: float = Field(0.5, description="Mean response length / the SFT policy's, at least.")
     max_length_ratio: float = Field(2.0, description="Mean response length / the SFT policy's, at most.")
     min_perplexity_ratio: float = Field(0.5, description="Mean per-response perplexity / the SFT policy's, at "
@@ -353,8 +368,19 @@ class GenerationConfig(_Section):
 
     max_new_tokens: int = Field(128, description="New tokens per response at most. MOSS: maxlen_res 128 "
                                                  "(config_ppo.py).")
-    temperature: float = Field(0.8, description="Sampling temperature. MOSS: temperature 0.8 (config_ppo.py).")
-    top_p: float = Field(0.9, description="Nucleus sampling. MOSS: topp 0.9 (config_ppo.py).")
+    temperature: float = Field(
+        0.8,
+        description="Sampling temperature T. MOSS: temperature 0.8 (config_ppo.py). PPO's ratio ρ, the KL to SFT "
+                    "(the reward's penalty, objective/kl, eval/kl and the collapse guard's band, "
+                    "contracts.policy.max_kl) and objective/entropy all take log π and log π_SFT of logits / T: a "
+                    "tempered KL, as TRL's PPO; the perplexities (policy/perplexity, eval/perplexity) are at T = 1.")
+    top_p: float = Field(
+        0.9,
+        description="Nucleus sampling. MOSS: topp 0.9 (config_ppo.py); kept, the paper's setting. The rollouts "
+                    "sample from the nucleus, renormalised, while the ratio and the KL take log π over the whole "
+                    "vocabulary (as MOSS; TRL fixes top_p 1.0 for PPO): the policy gradient and k1 are then "
+                    "estimates under a distribution slightly off the one sampled (a kept token's sampling "
+                    "probability exceeds its π by a factor of at most 1 / top_p). 1.0 makes them on-policy.")
     top_k: int = Field(0, description="Top-k filter; 0: off. MOSS: none (its sampler has temperature and top-p "
                                       "only).")
     repetition_penalty: float = Field(
@@ -426,6 +452,16 @@ class PPOConfig(_TrainingSection):
         "ppo_clip",
         description="The policy loss, by name in stages/losses.py's registry (register_policy_loss). "
                     "`ppo_clip`: the clipped surrogate with clip_eps (paper §5.3.3; MOSS: pg_clip).")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean",
+        description="How the actor's per-token terms (the policy loss, the entropy bonus and the KL loss term) "
+                    "reduce over a minibatch, for every advantage estimator: `token_mean`, one mean over all "
+                    "response tokens, so a long response weighs more (MOSS: the sum over the minibatch's response "
+                    "tokens over their count, ppo/ppo_trainer.py; TRL; verl's loss_agg_mode token-mean); "
+                    "`seq_mean`, each response's token mean first, then the mean over responses (DeepSeekMath's "
+                    "GRPO objective; verl's seq-mean-token-mean). The value loss stays a token mean either way: "
+                    "each token's state has its own return to fit, and critic pre-training, which shares it, does "
+                    "not read this field.")
 
     iterations: int = Field(100, description="Rollout + update rounds. ours: presets size it to the hardware.")
     rollout_batch_size: int = Field(128, description="Rollouts per iteration and rank: rollout_batch_size / "
@@ -511,11 +547,12 @@ class PPOConfig(_TrainingSection):
     max_prompt_len: int = Field(256, description="Prompt cap in tokens. ours: HH prompts on small models.")
     generation: GenerationConfig = Field(GenerationConfig(), description="Rollout sampling. MOSS's sampler "
                                                                          "settings (see each field).")
-    eval_every: int = Field(10, description="Held-out evaluation every N iterations and after the last: RM score, "
-                                            "KL to SFT, length, perplexity (T = 1), EOS rate, distinct-2, score-length "
-                                            "correlation, and paired deltas to SFT's responses to the same prompts "
-                                            "with confidence intervals (`statistics`); the collapse guard reads it. "
-                                            "ours: ten evaluations in a default run.")
+    eval_every: int = Field(
+        10,
+        description="Held-out evaluation every N iterations and after the last: RM score, KL to SFT (tempered: at "
+                    "the sampling temperature), length, perplexity (T = 1), EOS rate, distinct-2, score-length "
+                    "correlation, and paired deltas to SFT's responses to the same prompts with confidence intervals "
+                    "(`statistics`); the collapse guard reads it. ours: ten evaluations in a default run.")
     gold_reward_model: str | None = Field(
         None, description="A gold reward model (a model URI or local folder in the reward stage's layout) that scores "
                           "the held-out responses at every held-out evaluation beside the proxy RM PPO trains "
@@ -529,18 +566,20 @@ class PPOConfig(_TrainingSection):
                                                   "most 10 iterations.")
     on_collapse: Literal["stop", "rollback", "warn"] = Field(
         "rollback",
-        description="The live collapse guard: at each "
-                    "held-out evaluation the policy contract's bands (contracts.policy: KL, length and perplexity "
-                    "ratios to SFT, EOS rate) are checked. On a breach: stop (end the stage), rollback (restore the "
-                    "last checkpoint that passed, multiply the actor lr by rollback_lr_factor and go on; at most "
-                    "max_rollbacks times, then stop) or warn (go on). In every case the policy registered is the "
-                    "last one that passed, tagged rlhf.collapse with the iteration and the rule that broke. ours: the paper "
-                    "reads the same indicators (§5.1, Figs. 4 and 9) after the fact; rollback keeps a run going.")
+        description="The live collapse guard: at each held-out evaluation the policy contract's bands "
+                    "(contracts.policy: KL at the sampling temperature, length and perplexity ratios to SFT, EOS "
+                    "rate) are checked. On a breach: stop (end the stage), rollback (restore the last checkpoint "
+                    "that passed, set the actor lr to actor_lr · rollback_lr_factor^k after the k-th rollback and "
+                    "go on; at most max_rollbacks times, then stop) or warn (go on). In every case the policy "
+                    "registered is the last one that passed, tagged rlhf.collapse with the iteration and the rule "
+                    "that broke. ours: the paper reads the same indicators (§5.1, Figs. 4 and 9) after the fact; "
+                    "rollback keeps a run going.")
     max_rollbacks: int = Field(2, ge=0, description="Rollbacks before the guard stops the stage (on_collapse=rollback). "
                                                     "ours: two halvings, then a breach is taken as the setting's own.")
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0,
-                                      description="The actor lr is multiplied by this at each rollback. ours: a "
-                                                  "smaller step from the same weights.")
+                                      description="After the k-th rollback the actor lr is actor_lr · factor^k "
+                                                  "(absolute: the restored checkpoint may hold an lr an earlier "
+                                                  "rollback cut). ours: a smaller step from the same weights.")
 
     @field_validator("reward")
     @classmethod

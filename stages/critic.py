@@ -6,21 +6,19 @@ This replaces learning-rate warm-up for PPO. Registered as <prefix>-critic."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
-from stages import interrupt, precision, tracking
+from stages import lifecycle, precision, tracking
+from stages.checkpoint import trainer_engines
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
-from stages.ppo import checkpoint
 from stages.ppo.stage import encode_prompts, initial_moments, load_models
 from stages.ppo.trainer import PPOTrainer, explained_variance
-from stages.reward.model import save_reward_model
+from stages.reward.model import save_reward_model, scorer_pack
 from stages.training import masked_mean, trained_model
 
 
@@ -47,84 +45,89 @@ def heldout_probe(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]
     return frame
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    critic_cfg = cfg.critic
-    torch.manual_seed(critic_cfg.seed)
-    tokenizer, policy, _, reward_model, critic, score_fn = load_models(cfg, inputs, dist, train_actor=False)
-    prompts = encode_prompts(tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"), cfg.ppo.max_prompt_len)
-    # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr.
-    ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
-                                     "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
-                                     "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
-                                     "max_nonfinite_steps": critic_cfg.max_nonfinite_steps,
-                                     "adam_betas": critic_cfg.adam_betas,
-                                     "critic_weight_decay": critic_cfg.weight_decay, "ppo_epochs": 1})
-    # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
-    trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
-                         ptx_examples=[], tokenizer=tokenizer, dist=dist, moments=initial_moments(reward_model),
-                         train_actor=False, precision=precision.resolve(cfg.model.precision, dist.device))
-    steps_per_rollout = -(-ppo.rollout_batch_size // ppo.minibatch_size)
-    max_rollouts = -(-critic_cfg.max_steps // steps_per_rollout)
-    # PPO's checkpoints (the critic's engine, running moments, RNG, prompt cursor, rollout count),
-    # the newest one kept: a rerun in this folder (`rlhf run --resume`) continues from it.
-    checkpoints = dist.workdir / "checkpoints"
-    resume_from = checkpoint.latest(checkpoints)
-    if resume_from is not None:
-        checkpoint.load(trainer, resume_from)
-    if dist.is_main:
-        tracker.start_attempt({"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": max_rollouts,
-                               "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
-                               "critic.switches": trainer.switches}, resume_from)
+# What a critic rollout logs: the value loss and fit under `critic/`, the rollout's numbers as PPO names them.
+LOGGED = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
+          "objective/scores_shaped", "reward/running_mean", "reward/running_std", "policy/response_length",
+          "time/rollout", "time/train")
 
-    progress = tqdm(total=max_rollouts, initial=trainer.iteration, desc="critic", disable=not dist.is_main,
-                    dynamic_ncols=True)
-    started, converged = time.perf_counter(), False
-    while trainer.iteration < max_rollouts and not converged:
-        interrupt.stop_point(dist, "critic", f"after rollout {trainer.iteration} of {max_rollouts}",
-                             save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints, keep=1)}")
-        # An iteration skipped for NaN/Inf scores (stages/guards.py) trained nothing: no losses.
-        metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **trainer.step()}
-        keep = ("loss/value_avg", "val/explained_variance", "val/clipfrac_avg", "val/mean", "objective/scores",
-                "objective/scores_shaped", "reward/running_mean", "reward/running_std", "policy/response_length",
-                "time/rollout", "time/train")
-        if dist.is_main:
-            tracker.log_metrics({f"critic/{k.split('/')[-1]}" if k.startswith(("loss", "val")) else k: metrics[k]
-                                 for k in keep}, step=trainer.iteration * steps_per_rollout)
-        converged = metrics["loss/value_avg"] < critic_cfg.value_loss_threshold
-        every = critic_cfg.checkpoint_every
-        if every and trainer.iteration % every == 0 and trainer.iteration < max_rollouts and not converged:
-            checkpoint.save(trainer, checkpoints, keep=1)
-        progress.update(1)
-        progress.set_postfix(value_loss=f"{metrics['loss/value_avg']:.4f}",
-                             explained_variance=f"{metrics['val/explained_variance']:.3f}")
-    progress.close()
-    train_seconds = time.perf_counter() - started
 
-    # Held-out check for the critic contract: eval prompts the critic never trained on.
-    heldout_rows = read_jsonl(Path(inputs["splits_dir"]) / "eval_prompts.jsonl")[: critic_cfg.heldout_prompts]
-    heldout = encode_prompts(tokenizer, heldout_rows, cfg.ppo.max_prompt_len)[dist.rank :: dist.world_size]
-    probe = heldout_probe(trainer, heldout, [r["row"] for r in heldout_rows])
-    outputs: dict = {}
-    if dist.is_main:
-        tracker.log_metrics({"critic/final_value_loss": metrics["loss/value_avg"],
-                             "critic/final_explained_variance": metrics["val/explained_variance"],
-                             "critic/heldout_value_loss": float(probe["value_loss"].mean()),
-                             "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
-                             "critic/converged": float(converged), "critic/rollouts": trainer.iteration,
-                             "critic/train_seconds": train_seconds}, step=trainer.iteration * steps_per_rollout)
-        critic_model = trained_model(trainer.critic)
-        critic_model.score_mean, critic_model.score_std = reward_model.score_mean, reward_model.score_std
-        # The running score statistics go with the critic: PPO continues them, count and all.
-        from stages.reward.pyfunc import scorer  # imports MLflow's pyfunc: only where a model is published
+class CriticTraining(lifecycle.TrainingStage):
+    """One `step` is one rollout of the frozen policy and the critic's minibatch steps on it."""
 
-        published = tracker.publish_model(
-            lambda out: save_reward_model(critic_model, tokenizer, out, {
+    name, unit, checkpoint_unit = "critic", "rollout", "iter"
+    progress = {"value_loss": "critic/value_avg", "explained_variance": "critic/explained_variance"}
+
+    def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
+        critic_cfg = self.critic_cfg = cfg.critic
+        self.cfg, self.inputs, self.dist = cfg, inputs, dist
+        torch.manual_seed(critic_cfg.seed)
+        self.tokenizer, policy, _, self.reward_model, critic, score_fn = load_models(cfg, inputs, dist, train_actor=False)
+        prompts = encode_prompts(self.tokenizer, read_jsonl(Path(inputs["splits_dir"]) / "ppo_prompts.jsonl"),
+                                 cfg.ppo.max_prompt_len)
+        # PPO's own settings (GAE, score shaping, value clipping), with the critic's batch sizes and lr.
+        ppo = cfg.ppo.model_copy(update={"rollout_batch_size": critic_cfg.rollout_batch_size,
+                                         "minibatch_size": critic_cfg.minibatch_size, "critic_lr": critic_cfg.lr,
+                                         "max_grad_norm": critic_cfg.max_grad_norm, "seed": critic_cfg.seed,
+                                         "max_nonfinite_steps": critic_cfg.max_nonfinite_steps,
+                                         "adam_betas": critic_cfg.adam_betas,
+                                         "critic_weight_decay": critic_cfg.weight_decay, "ppo_epochs": 1})
+        # The frozen policy is its own reference: the KL penalty is zero, as for the SFT policy in PPO.
+        self.trainer = PPOTrainer(ppo, actor=policy, critic=critic, reference=policy, score_fn=score_fn, prompts=prompts,
+                                  ptx_examples=[], tokenizer=self.tokenizer, dist=dist,
+                                  moments=initial_moments(self.reward_model), train_actor=False,
+                                  precision=precision.resolve(cfg.model.precision, dist.device))
+        self.steps_per_rollout = -(-ppo.rollout_batch_size // ppo.minibatch_size)
+        self.total = -(-critic_cfg.max_steps // self.steps_per_rollout)
+        self.checkpoint_every = critic_cfg.checkpoint_every
+        # The critic's engine, running moments, RNG, prompt cursor and rollout count.
+        self.engines, self.guard = trainer_engines(self.trainer), self.trainer.guard
+        self.params = {"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": self.total,
+                       "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
+                       "critic.switches": self.trainer.switches}
+        self.metrics = {"loss/value_avg": math.nan, "val/explained_variance": math.nan}
+
+    def state(self) -> dict:
+        return self.trainer.state()
+
+    def load_state(self, state: dict) -> None:
+        self.trainer.load_state(state)
+
+    def step(self, number: int) -> dict[str, float]:
+        # An iteration skipped for NaN/Inf scores (stages/nonfinite.py) trained nothing: no losses.
+        self.metrics = {"loss/value_avg": math.nan, "val/clipfrac_avg": math.nan, **self.trainer.step()}
+        return {f"critic/{k.split('/')[-1]}" if k.startswith(("loss", "val")) else k: self.metrics[k] for k in LOGGED}
+
+    def metric_step(self, number: int) -> int:
+        return number * self.steps_per_rollout
+
+    def stopped(self) -> bool:
+        return self.metrics["loss/value_avg"] < self.critic_cfg.value_loss_threshold
+
+    def finish(self) -> lifecycle.Finish:
+        trainer, metrics = self.trainer, self.metrics
+        # Held-out check for the critic contract: eval prompts the critic never trained on.
+        heldout_rows = read_jsonl(Path(self.inputs["splits_dir"]) / "eval_prompts.jsonl")[: self.critic_cfg.heldout_prompts]
+        heldout = encode_prompts(self.tokenizer, heldout_rows, self.cfg.ppo.max_prompt_len)
+        probe = heldout_probe(trainer, heldout[self.dist.rank :: self.dist.world_size], [r["row"] for r in heldout_rows])
+
+        def save(out: Path) -> None:
+            critic_model = trained_model(trainer.critic)
+            critic_model.score_mean, critic_model.score_std = self.reward_model.score_mean, self.reward_model.score_std
+            # The running score statistics go with the critic: PPO continues them, count and all.
+            save_reward_model(critic_model, self.tokenizer, out, {
                 "role": "critic", "value_loss": metrics["loss/value_avg"],
-                "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()}),
-            cfg=cfg, inputs=inputs, pack=scorer(cfg),
+                "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()})
+
+        return lifecycle.Finish(
+            metrics={"critic/final_value_loss": metrics["loss/value_avg"],
+                     "critic/final_explained_variance": metrics["val/explained_variance"],
+                     "critic/heldout_value_loss": float(probe["value_loss"].mean()),
+                     "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
+                     "critic/converged": float(self.stopped()), "critic/rollouts": trainer.iteration},
+            probe_name="critic_probe", probe=lambda: probe, save=save, pack=scorer_pack(self.cfg, self.dist),
             lineage={"rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
                      "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
-        outputs = {**published, "critic_run": tracker.run_id, "critic_probe": tracker.log_probe(probe, "critic_probe")}
-    dist.barrier()
-    checkpoint.discard(dist, checkpoints)  # the published critic is the result
-    return outputs
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    return lifecycle.run(CriticTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)

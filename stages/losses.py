@@ -6,7 +6,9 @@
   signature each, `fn(logprobs, old_logprobs, advantages, mask, ppo) -> (loss, stats)`: adding one
   is one function with `@register_policy_loss(name)`; built in: `ppo_clip`, the clipped
   surrogate), the clipped value loss, entropy, PPO-ptx, and the KL penalty: its per-token
-  estimators (k1, k2, k3) and, with `ppo.kl_penalty_in=loss`, the KL loss term."""
+  estimators (k1, k2, k3) and, with `ppo.kl_penalty_in=loss`, the KL loss term. The actor's
+  per-token terms (policy loss, entropy bonus, KL loss term) reduce to one number by
+  `ppo.loss_agg` (`aggregate`); the value loss is a token mean."""
 
 from __future__ import annotations
 
@@ -88,10 +90,26 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEsti
 if TYPE_CHECKING:
     from stages.config import PPOConfig
 
+LossAggregation = Literal["token_mean", "seq_mean"]
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation) -> torch.Tensor:
+    """A per-token loss ℓ_{i,t} over a minibatch of G responses o_i as one number (verl's
+    loss_agg_mode): `token_mean` Σ_i Σ_t ℓ_{i,t} / Σ_i |o_i|, every response token weighs the same
+    (MOSS, TRL); `seq_mean` (1/G) Σ_i (1/|o_i|) Σ_t ℓ_{i,t}, every response weighs the same
+    (DeepSeekMath's GRPO objective; verl's seq-mean-token-mean)."""
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: token_mean, seq_mean")
+
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_eps: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """L^CLIP = −E[min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)], ρ = π_θ / π_old; no clipping when ε is None."""
+                clip_eps: float | None, loss_agg: LossAggregation = "token_mean"
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L^CLIP = −E[min(ρ A, clip(ρ, 1 − ε, 1 + ε) A)], ρ = π_θ / π_old; no clipping when ε is None.
+    E over the response tokens by `loss_agg` (`aggregate`); the statistics are token means."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
@@ -107,7 +125,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         "ratio": masked_mean(ratio.detach(), mask),
         "ratio_var": masked_mean((ratio.detach() - masked_mean(ratio.detach(), mask)) ** 2, mask),
     }
-    return -masked_mean(surrogate, mask), stats
+    return -aggregate(surrogate, mask, loss_agg), stats
 
 
 # (log π_θ, log π_old, advantages, response mask, the PPO config) → (the loss to minimise, its
@@ -144,8 +162,9 @@ def registered_policy_loss(name: str) -> PolicyLossFn:
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   ppo: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate (paper §5.3.3) with ε = `ppo.clip_eps`: `policy_loss`."""
-    return policy_loss(logprobs, old_logprobs, advantages, mask, ppo.clip_eps)
+    """PPO's clipped surrogate (paper §5.3.3) with ε = `ppo.clip_eps`, aggregated by `ppo.loss_agg`:
+    `policy_loss`."""
+    return policy_loss(logprobs, old_logprobs, advantages, mask, ppo.clip_eps, ppo.loss_agg)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -167,9 +186,11 @@ def ptx_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nll / max(count, 1)
 
 
-def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: KLEstimator,
+            loss_agg: LossAggregation = "token_mean") -> torch.Tensor:
     """The KL penalty as a loss term (`ppo.kl_penalty_in=loss`, as GRPO and OpenRLHF's `use_kl_loss`):
-    the mean estimator over response tokens on log π_θ with its graph. Its expected gradient on
-    tokens sampled from π_θ: k2 → ∇KL(π ‖ π_SFT); k3 → ∇KL(π_SFT ‖ π), the reverse KL, equal to
-    the forward one to second order around π_SFT; k1 → 0, which is why the config refuses k1 here."""
-    return masked_mean(kl_estimate(logprobs, ref_logprobs, kind), mask)
+    the mean estimator over response tokens (by `loss_agg`, as the policy loss) on log π_θ with its
+    graph. Its expected gradient on tokens sampled from π_θ: k2 → ∇KL(π ‖ π_SFT); k3 → ∇KL(π_SFT ‖ π),
+    the reverse KL, equal to the forward one to second order around π_SFT; k1 → 0, which is why the
+    config refuses k1 here."""
+    return aggregate(kl_estimate(logprobs, ref_logprobs, kind), mask, loss_agg)

@@ -1,9 +1,11 @@
 """The MLflow model a registered model is logged as, so that MLflow itself loads and serves it
 (`mlflow.transformers.load_model`, `mlflow.pyfunc.load_model`, `mlflow models serve`):
 
-- `chat(model_cfg, sampling)`: the SFT and policy models, MLflow's transformers flavor with task
-  `llm/v1/chat` (a text-generation pipeline; served, it answers OpenAI-style chat requests, sampled
-  as the eval stage samples the answers it judges);
+- `chat(cfg)`: the SFT and policy models, MLflow's transformers flavor with task `llm/v1/chat` (a
+  text-generation pipeline). Its pyfunc (`mlflow.pyfunc.load_model`, `mlflow models serve`: OpenAI-style
+  chat requests) is `stages.mlflow_chat`'s, sampling as the eval stage samples the answers it judges,
+  the repetition penalty on the generated tokens only; `mlflow.transformers.load_model` gives
+  transformers' plain pipeline, whose repetition penalty also lowers the prompt's tokens;
 - `stages.reward.pyfunc.scorer(cfg)`: the reward model and critic, a pyfunc scoring (prompt, response).
 
 Either way the stage's own Hugging Face folder (safetensors, tokenizer, chat template; a reward
@@ -27,6 +29,7 @@ Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model fo
 
 MLMODEL_FILE = "MLmodel"
 CHAT_TASK = "llm/v1/chat"
+CHAT_PYFUNC_LOADER = "stages.mlflow_chat"
 
 
 def requirements(*packages: str) -> list[str]:
@@ -39,18 +42,22 @@ def requirements(*packages: str) -> list[str]:
 def generation_defaults(sampling: GenerationConfig, tokenizer):
     """transformers' GenerationConfig for `sampling` (the eval stage's: what the judged answers were
     sampled with). A model saved without one gets, in a transformers text-generation pipeline, that
-    pipeline's own defaults (sampling at temperature 0.7, 256 new tokens) instead of ours."""
+    pipeline's own defaults (sampling at temperature 0.7, 256 new tokens) instead of ours. Its
+    repetition_penalty lowers the prompt's tokens too, except in the pyfunc (`stages.mlflow_chat`)."""
     import transformers
 
+    # Greedy: transformers refuses to save a config with sampling flags that would not be used.
+    sampled = ({"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+               if sampling.do_sample else {})
     return transformers.GenerationConfig(
-        do_sample=sampling.do_sample, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        repetition_penalty=sampling.repetition_penalty, max_new_tokens=sampling.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        do_sample=sampling.do_sample, **sampled, repetition_penalty=sampling.repetition_penalty,
+        max_new_tokens=sampling.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
 
 
 def chat(cfg: PipelineConfig) -> Pack:
-    """A chat model (SFT, policy): transformers flavor, task llm/v1/chat, generating as the eval stage
-    sampled its judged answers (`eval.generation`)."""
+    """A chat model (SFT, policy): transformers flavor, task llm/v1/chat, with `stages.mlflow_chat` as
+    its pyfunc loader, generating as the eval stage sampled its judged answers (`eval.generation`)."""
     model_cfg, sampling = cfg.model, cfg.eval.generation
 
     def pack(folder: Path, path: Path, mlflow_model) -> None:
@@ -76,6 +83,8 @@ def chat(cfg: PipelineConfig) -> Pack:
         shutil.rmtree(binary)
         shutil.copytree(folder, binary)
         generation_defaults(sampling, tokenizer).save_pretrained(binary)  # our stages read none of it
+        mlflow_model.flavors["python_function"]["loader_module"] = CHAT_PYFUNC_LOADER
+        mlflow_model.save(str(path / MLMODEL_FILE))
 
     return pack
 

@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
-from stages import interrupt, mlflow_models, precision, sources, tracking
-from stages.checkpoint import StepCheckpoints
+from stages import lifecycle, mlflow_models, precision, sources, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
-from stages.guards import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import shifted_nll
+from stages.nonfinite import NonFiniteGuard
 from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model
 
 
@@ -82,111 +80,109 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     return {"splits_dir": str(splits_dir), "base_model_dir": model_dir}
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    sft = cfg.sft
-    torch.manual_seed(sft.seed)
-    splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
-    model = sources.load_model(model_dir, cfg.model).to(dist.device)
-    sources.align_pad_token(model, tokenizer)
-    if sft.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    model.config.use_cache = False
+class SFTTraining(lifecycle.TrainingStage):
+    name, progress = "sft", {"loss": "train/loss"}
 
-    def encode(rows):
-        return [encode_example(tokenizer, r["messages"], r["chosen"], sft.max_seq_len, sft.max_response_len) for r in rows]
+    def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
+        sft = self.sft = cfg.sft
+        self.cfg, self.dist = cfg, dist
+        torch.manual_seed(sft.seed)
+        self.splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
+        tokenizer = self.tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+        model = sources.load_model(model_dir, cfg.model).to(dist.device)
+        sources.align_pad_token(model, tokenizer)
+        if sft.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model.config.use_cache = False
 
-    train_set = encode(read_jsonl(splits_dir / "sft.jsonl"))
-    # Counted here, not in the data stage: that stage has no tokenizer (the tiny preset's is
-    # trained on its splits), and max_response_len is this stage's setting.
-    cut_responses = count_cut([ids for ids, _ in train_set], tokenizer)
-    # Evaluation prompts from a prompt-only source of their own have no answers to score: the held-out
-    # loss reads the preference pairs' held-out split instead.
-    heldout_split = "rm_eval" if cfg.data.eval_prompts_source else "eval_prompts"
-    heldout_rows = read_jsonl(splits_dir / f"{heldout_split}.jsonl")
-    heldout = encode(heldout_rows[: sft.heldout_prompts])
+        def encode(rows):
+            return [encode_example(tokenizer, r["messages"], r["chosen"], sft.max_seq_len, sft.max_response_len)
+                    for r in rows]
 
-    per_rank = sft.micro_batch_size * sft.grad_accum_steps
-    global_batch = per_rank * dist.world_size
-    steps_per_epoch = len(train_set) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"sft: {len(train_set)} examples is less than one global batch ({global_batch})")
-    total_steps = steps_per_epoch * sft.epochs
-    if sft.max_steps:
-        total_steps = min(total_steps, sft.max_steps)
+        self.train_set = encode(read_jsonl(self.splits_dir / "sft.jsonl"))
+        # Counted here, not in the data stage: that stage has no tokenizer (the tiny preset's is
+        # trained on its splits), and max_response_len is this stage's setting.
+        cut_responses = count_cut([ids for ids, _ in self.train_set], tokenizer)
+        # Evaluation prompts from a prompt-only source of their own have no answers to score: the held-out
+        # loss reads the preference pairs' held-out split instead.
+        heldout_split = "rm_eval" if cfg.data.eval_prompts_source else "eval_prompts"
+        self.heldout = encode(read_jsonl(self.splits_dir / f"{heldout_split}.jsonl")[: sft.heldout_prompts])
 
-    optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * total_steps), total_steps, sft.min_lr_ratio)
-    engine = make_engine(model, optimizer, scheduler, micro_batch_size=sft.micro_batch_size,
-                         grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm,
-                         precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
+        self.per_rank = sft.micro_batch_size * sft.grad_accum_steps
+        self.global_batch = self.per_rank * dist.world_size
+        self.steps_per_epoch = len(self.train_set) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"sft: {len(self.train_set)} examples is less than one global batch ({self.global_batch})")
+        self.total = self.steps_per_epoch * sft.epochs
+        if sft.max_steps:
+            self.total = min(self.total, sft.max_steps)
+        self.checkpoint_every, self.log_every = sft.checkpoint_every, sft.log_every
 
-    pad_id = tokenizer.pad_token_id
-    # The base model's held-out numbers, before a checkpoint replaces its weights.
-    loss_before, ppl_before = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
-    guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
-    checkpoints = StepCheckpoints(dist, sft.checkpoint_every)
-    resumed = checkpoints.begin({"model": engine}, guard, tracker, params={
-        "model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
-        "sft.world_size": dist.world_size, "sft.total_steps": total_steps, "sft.engine": type(engine).__name__,
-        "sft.zero_stage": dist.zero_stage, "sft.base_model": model_dir})
-    step, final_train_loss = (resumed["step"], resumed["final_train_loss"]) if resumed else (0, float("nan"))
-    if dist.is_main:
-        tracker.log_metrics({"eval/loss": loss_before, "eval/perplexity": ppl_before,
-                             "data/cut_responses": cut_responses}, step=0)
+        optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
+        self.scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * self.total), self.total, sft.min_lr_ratio)
+        self.engine = make_engine(model, optimizer, self.scheduler, micro_batch_size=sft.micro_batch_size,
+                                  grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm,
+                                  precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
+        self.engines = {"model": self.engine}
+        self.guard = NonFiniteGuard("sft", sft.max_nonfinite_steps, dist)
+        self.params = {"model": cfg.model.model_dump(mode="json"), "sft": sft.model_dump(mode="json"),
+                       "sft.world_size": dist.world_size, "sft.total_steps": self.total,
+                       "sft.engine": type(self.engine).__name__, "sft.zero_stage": dist.zero_stage,
+                       "sft.base_model": model_dir}
+        # The base model's held-out numbers, before a checkpoint replaces its weights.
+        self.loss_before, self.ppl_before = heldout_perplexity(self.engine.module, self.heldout, tokenizer.pad_token_id,
+                                                               sft.micro_batch_size, dist)
+        self.first_metrics = {"eval/loss": self.loss_before, "eval/perplexity": self.ppl_before,
+                              "data/cut_responses": cut_responses}
+        self.final_train_loss = float("nan")
+        self.schedule = None  # each step's indices into train_set, from the first step this attempt trains
+        self.engine.train()
 
-    def batches():
+    def batches(self):
         """Each step's indices into train_set for this rank, in training order: a fresh shuffle per
         epoch from one seeded generator, so a resumed run skips exactly the steps it had done."""
-        order_rng = random.Random(sft.seed)
+        order_rng = random.Random(self.sft.seed)
         for _ in itertools.count():
-            order = list(range(len(train_set)))
+            order = list(range(len(self.train_set)))
             order_rng.shuffle(order)
-            for batch_start in range(0, steps_per_epoch * global_batch, global_batch):
-                yield order[batch_start + dist.rank * per_rank : batch_start + (dist.rank + 1) * per_rank]
+            for batch_start in range(0, self.steps_per_epoch * self.global_batch, self.global_batch):
+                start = batch_start + self.dist.rank * self.per_rank
+                yield order[start : start + self.per_rank]
 
-    def state() -> dict:
-        return {"step": step, "final_train_loss": final_train_loss, "guard": guard.state_dict()}
+    def state(self) -> dict:
+        return {"final_train_loss": self.final_train_loss}
 
-    engine.train()
-    progress = tqdm(total=total_steps, initial=step, desc="sft", disable=not dist.is_main, dynamic_ncols=True)
-    started = time.perf_counter()
-    for mine in itertools.islice(batches(), step, total_steps):
-        interrupt.stop_point(dist, "sft", f"after step {step} of {total_steps}",
-                             save=lambda: f"checkpoint {checkpoints.save(step, {'model': engine}, state())}")
+    def load_state(self, state: dict) -> None:
+        self.final_train_loss = state["final_train_loss"]
+
+    def step(self, number: int) -> dict[str, float]:
+        sft, dist, train_set = self.sft, self.dist, self.train_set
+        if self.schedule is None:
+            self.schedule = itertools.islice(self.batches(), number - 1, None)
+        mine = next(self.schedule)
         step_started = time.perf_counter()
         micro_batches = [[train_set[i] for i in mine[micro * sft.micro_batch_size : (micro + 1) * sft.micro_batch_size]]
                          for micro in range(sft.grad_accum_steps)]
-        loss_sum, tokens = accumulate_step(engine, micro_batches, pad_id, guard, dist, step + 1)
+        loss_sum, tokens = accumulate_step(self.engine, micro_batches, self.tokenizer.pad_token_id, self.guard, dist,
+                                           number)
         seq_tokens = sum(len(train_set[i][0]) for i in mine)
         loss_sum, tokens, seq_tokens = dist.all_reduce_sum([loss_sum, tokens, seq_tokens])
-        step += 1
         if tokens:  # else every micro-batch of the step was skipped
-            final_train_loss = loss_sum / tokens
-        elapsed = time.perf_counter() - step_started
-        if dist.is_main and (step % sft.log_every == 0 or step == total_steps):
-            tracker.log_metrics({
-                "train/loss": loss_sum / tokens if tokens else math.nan,
-                "train/skipped_steps": guard.skipped,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                "train/tokens_per_s": seq_tokens / elapsed,
-                "train/epoch": step / steps_per_epoch,
-            }, step=step)
-        if checkpoints.due(step, total_steps):
-            checkpoints.save(step, {"model": engine}, state())
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss_sum / max(tokens, 1):.3f}")
-    progress.close()
-    train_seconds = time.perf_counter() - started
+            self.final_train_loss = loss_sum / tokens
+        return {
+            "train/loss": loss_sum / tokens if tokens else math.nan,
+            "train/skipped_steps": self.guard.skipped,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "train/tokens_per_s": seq_tokens / (time.perf_counter() - step_started),
+            "train/epoch": number / self.steps_per_epoch,
+        }
 
-    loss_after, ppl_after = heldout_perplexity(engine.module, heldout, pad_id, sft.micro_batch_size, dist)
-    outputs: dict = {}
-    if dist.is_main:
-        tracker.log_metrics({"eval/loss": loss_after, "eval/perplexity": ppl_after}, step=step)
-        tracker.log_metrics({"sft/perplexity_before": ppl_before, "sft/perplexity_after": ppl_after,
-                             "sft/train_seconds": train_seconds}, step=step)
-        probe_started, probe = time.perf_counter(), []
+    def finish(self) -> lifecycle.Finish:
+        sft, cfg, tokenizer, engine = self.sft, self.cfg, self.tokenizer, self.engine
+        loss_after, ppl_after = heldout_perplexity(engine.module, self.heldout, tokenizer.pad_token_id,
+                                                   sft.micro_batch_size, self.dist)
+        probe_rows, probe_seconds = [], []
 
         def save(out: Path) -> None:
             model = trained_model(engine)
@@ -195,23 +191,33 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, di
             tokenizer.save_pretrained(out)
 
         def held_out_probe(out: Path) -> None:  # for the SFT contract, on the saved weights (whatever engine trained them)
-            probe_rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
-            saved = sources.load_model(str(out), cfg.model, precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
-            probe.extend(generation_probe(saved, tokenizer, probe_rows,
-                                          sft.probe_max_new_tokens, sft.max_seq_len))
+            started = time.perf_counter()
+            rows = read_jsonl(self.splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
+            dtype = precision.dtype(precision.resolve(cfg.model.precision, self.dist.device))
+            saved = sources.load_model(str(out), cfg.model, dtype)
+            probe_rows.extend(generation_probe(saved, tokenizer, rows, sft.probe_max_new_tokens, sft.max_seq_len))
+            probe_seconds.append(time.perf_counter() - started)
 
-        published = tracker.publish_model(
-            save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg), inspect=held_out_probe,
-            lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{ppl_before:.4f}",
-                     "rlhf.perplexity_after": f"{ppl_after:.4f}"})
-        probe_frame = pd.DataFrame(probe, columns=["row", "response", "response_tokens", "ended_with_eos"])
-        probe_frame["perplexity_before"], probe_frame["perplexity_after"] = ppl_before, ppl_after
-        probe_frame["final_train_loss"] = final_train_loss
-        probe_uri = tracker.log_probe(probe_frame, "sft_probe")
-        tracker.log_metrics({"probe/eos_rate": float(probe_frame["ended_with_eos"].mean()) if probe else 0.0,
-                             "probe/mean_response_tokens": float(probe_frame["response_tokens"].mean()) if probe else 0.0,
-                             "probe/seconds": time.perf_counter() - probe_started}, step=step)
-        outputs = {**published, "sft_run": tracker.run_id, "sft_probe": probe_uri}
-    dist.barrier()
-    checkpoints.remove()  # the published model is the result; they served resuming only
-    return outputs
+        def probe() -> pd.DataFrame:
+            frame = pd.DataFrame(probe_rows, columns=["row", "response", "response_tokens", "ended_with_eos"])
+            frame["perplexity_before"], frame["perplexity_after"] = self.ppl_before, ppl_after
+            frame["final_train_loss"] = self.final_train_loss
+            return frame
+
+        def report(tracker) -> None:
+            frame = probe()
+            tracker.log_metrics({"probe/eos_rate": float(frame["ended_with_eos"].mean()) if probe_rows else 0.0,
+                                 "probe/mean_response_tokens": float(frame["response_tokens"].mean()) if probe_rows else 0.0,
+                                 "probe/seconds": sum(probe_seconds)}, step=self.total)
+
+        return lifecycle.Finish(
+            metrics={"eval/loss": loss_after, "eval/perplexity": ppl_after, "sft/perplexity_before": self.ppl_before,
+                     "sft/perplexity_after": ppl_after},
+            probe_name="sft_probe", probe=probe, save=save, pack=mlflow_models.chat(cfg), inspect=held_out_probe,
+            lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{self.ppl_before:.4f}",
+                     "rlhf.perplexity_after": f"{ppl_after:.4f}"},
+            report=report)
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    return lifecycle.run(SFTTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)

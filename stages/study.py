@@ -35,7 +35,7 @@ GOLD_STAGES = ["reward"]
 ARM_STAGES = ["ppo", "eval"]
 GOLD_JUDGE = "gold"  # the gold RM's name as a judge: eval/judge/gold/...
 BEST_OF_N = "best_of_n"  # the `rlhf.arm_kind` tag of a best-of-n arm's run
-CURVES = {"eval/score": "held-out RM score", "eval/kl": "KL to SFT (nats per response)",
+CURVES = {"eval/score": "held-out RM score", "eval/kl": "tempered KL to SFT (nats per response)",
           "eval/response_length": "response length (tokens)", "eval/perplexity": "perplexity (T = 1)"}
 GOLD_CURVE = "eval/gold_score"
 # The table's numbers: (metric of the PPO stage run's last held-out evaluation, column).

@@ -191,7 +191,7 @@ class MasterWeights:
 
     `batched` (on a GPU): the copies between masters and model go as torch's multi-tensor
     (`_foreach_*`) ops, a few kernel launches instead of one per tensor: the host, not the GPU, bounds
-    a small model's step there (bench/README.md, stop 35). On a CPU torch runs them one tensor at a
+    a small model's step there. On a CPU torch runs them one tensor at a
     time either way, and the loop measured faster."""
 
     def __init__(self, model, names: list[list[tuple[torch.nn.Module, str]]], masters: list, copies: list,
@@ -287,7 +287,7 @@ def allocate_optimizer_state(optimizer, keep_gradients: bool) -> None:
     fresh optimiser's: tests/test_precision.py). Made lazily at the first step instead, the state took
     the memory the first batch's activations had just freed, and the second batch's activations
     were mapped and zeroed anew: a PPO iteration on the demo model faulted in 1.5 GiB of fresh pages
-    in its second iteration (bench/README.md). `keep_gradients`: leave the zero gradients as the
+    in its second iteration. `keep_gradients`: leave the zero gradients as the
     parameters' gradient buffers, else free them. Left as they are: no optimiser, one that has
     state already (resumed from a checkpoint), parameters that hold gradients already."""
     if optimizer is None:
@@ -318,8 +318,7 @@ def steps_from_bf16(device: str, precision: str, grad_accum_steps: int) -> bool:
     themselves (`adamw_from_bf16_gradients`) instead of its usual passes: copy each gradient into
     the master's fp32 buffer, take the clip's norm, scale, step torch's fused AdamW, copy each master
     back to bf16 — five passes over the gradients and weights where two do (the clip's norm over
-    bf16 gradients, then one fused update per tensor): a CPU's optimiser step on SmolLM2 ~230 →
-    ~140 ms (bench/README.md, stop 35), and no fp32 gradients kept (4 bytes a parameter). Where:
+    bf16 gradients, then one fused update per tensor), and no fp32 gradients kept (4 bytes a parameter). Where:
     a CPU (a GPU has torch's multi-tensor kernels, `MasterWeights.batched`), bf16, and one backward a
     step (accumulated micro-batches add in fp32). `stages.plan` counts memory by it."""
     return device == "cpu" and precision == "bf16" and grad_accum_steps == 1
@@ -445,7 +444,7 @@ def total_norm(tensors: list) -> torch.Tensor:
     """‖(t₁, t₂, …)‖₂ over all elements, in fp32: the norm of every row's norm. torch's norm of a
     whole tensor (`get_total_norm`, `clip_grad_norm_`) sums its squares into one fp32 accumulator per
     thread, whose rounding error grows with the tensor (SmolLM2's 28M-element embedding gradient:
-    1.6e-3 of the norm, bench/README.md; tests/test_precision.py bounds ours); a row's sum is short,
+    1.6e-3 of the norm; tests/test_precision.py bounds ours); a row's sum is short,
     and the rows' norms are few. On a GPU a norm's sum is a tree of partial sums already, so each
     tensor's norm comes from torch's multi-tensor norm: a few kernel launches, not two per tensor."""
     if tensors and tensors[0].is_cuda:

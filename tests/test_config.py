@@ -202,3 +202,16 @@ def test_the_training_sections_share_their_common_fields():
         assert shared <= set(section.model_fields), section
         for name in shared:  # defined once: the same field object's description everywhere
             assert section.model_fields[name].description == SFTConfig.model_fields[name].description
+
+
+@pytest.mark.parametrize("section", ["sft", "reward"])
+def test_a_response_cap_that_leaves_no_room_for_the_prompt_is_refused(section):
+    """encode_example cuts the prompt to max_seq_len − max_response_len tokens: at 0 every example
+    would be an answer to nothing."""
+    message = (f"'{section}': Value error, max_response_len=256 must be below max_seq_len=256: a response that long "
+               f"leaves no token of its prompt")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", [f"{section}.max_seq_len=256", f"{section}.max_response_len=256"])
+    with pytest.raises(ConfigError, match=re.escape(f"'{section}': Value error, max_response_len=300 must be below")):
+        load_config("tiny", [f"{section}.max_response_len=300"])
+    assert getattr(load_config("tiny", [f"{section}.max_response_len=255"]), section).max_response_len == 255

@@ -1,4 +1,4 @@
-"""Faults injected into real runs of the tiny PPO stage (issue 8): a SIGKILL at a random moment and
+"""Faults injected into real runs of the tiny PPO stage: a SIGKILL at a random moment and
 a resume (of the SFT, reward and critic stages too), a tracking server that goes away (and comes back, or not), a disk that fills up while a
 checkpoint is written. Every run keeps its metric history whole: each step logged exactly once."""
 
@@ -20,7 +20,7 @@ from pipeline_helpers import TRL_NAMES, stage_run
 from stages import tracking
 from stages.config import load_config
 from stages.launch import execute, free_port
-from stages.ppo import checkpoint
+from stages import checkpoint
 
 
 def runs_dir() -> Path:
@@ -326,7 +326,7 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_ch
     # critic after a step (its Adam moments made).
     trainer = greedy_one_minibatch_trainer(tiny)
     trainer.step()
-    size = folder_bytes(checkpoint.save(trainer, tmp_path)) * 3 // 2
+    size = folder_bytes(checkpoint.save_trainer(trainer, tmp_path)) * 3 // 2
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(checkpoints)],
                            capture_output=True, text=True)
     if mount.returncode != 0:

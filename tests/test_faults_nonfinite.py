@@ -1,4 +1,4 @@
-"""NaN/Inf in rewards or losses (stages/guards.py), on real tiny runs: the step is skipped and
+"""NaN/Inf in rewards or losses (stages/nonfinite.py), on real tiny runs: the step is skipped and
 counted, no weight moves, training goes on; K skipped steps in a row stop the stage with a
 NonFiniteError naming the step and the tensor. Faults are injected as inputs: a score function
 that returns NaN/Inf on chosen iterations, a critic weight set to NaN, a loss that turns NaN."""
@@ -18,7 +18,7 @@ from ppo_helpers import make_trainer
 
 from stages import sft, tracking
 from stages.config import load_config
-from stages.guards import NonFiniteError
+from stages.nonfinite import NonFiniteError
 from stages.launch import execute, free_port
 from stages.training import PlainEngine
 
@@ -160,7 +160,7 @@ def test_sft_stops_after_k_nonfinite_steps(splits, monkeypatch):
 # Rank 0 alone sees a NaN at step 1, rank 1 alone an Inf at step 2; step 3 is finite on both.
 RANK = """
 import json, math, sys, torch
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 rank, port = int(sys.argv[1]), sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -1,7 +1,8 @@
-"""The registered models are MLflow models (stages/mlflow_models.py, stages/reward/pyfunc.py): on the
-tiny pipeline's versions, MLflow's own loaders give a text-generation pipeline (SFT, policy) and a
-scorer (reward model, critic) that answer as the project's code does, and `mlflow models serve`
-answers a chat request with the policy over HTTP on loopback."""
+"""The registered models are MLflow models (stages/mlflow_models.py, stages/mlflow_chat.py,
+stages/reward/pyfunc.py): on the tiny pipeline's versions, MLflow's own loaders give a text-generation
+pipeline (SFT, policy) and a scorer (reward model, critic) that answer as the project's code does,
+and `mlflow models serve` answers a chat request with the policy over HTTP on loopback as the eval
+stage would."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def _greedy(folder: Path, messages: list[dict], new_tokens: int, repetition_pena
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def _eval_stage_answer(folder, tokenizer, cfg) -> str:
+    """The eval stage's answer to MESSAGES under cfg.eval.generation (its own sampling loop)."""
+    from stages.evaluate.stage import respond
+
+    model = sources.load_model(str(folder), cfg.model).eval()
+    (answer,), _ = respond(model, tokenizer, [{"messages": MESSAGES}], cfg, "cpu")
+    return answer
+
+
 def test_the_hh_chat_template_renders_as_training_does():
     rendered = jinja2.Environment().from_string(HH_CHAT_TEMPLATE).render(messages=MESSAGES, add_generation_prompt=True)
     assert rendered == dialogue_text(MESSAGES)
@@ -78,7 +88,8 @@ def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
         chat = pipeline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         assert chat == render_prompt(sources.load_tokenizer(str(folder), load_config("tiny").model), MESSAGES)
         generated = pipeline(chat, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)
-        # Greedy, under the model's own generation config (test_a_chat_model_samples_as_the_eval_stage_did)
+        # Greedy, under the model's own generation config (test_a_chat_model_samples_as_the_eval_stage_did),
+        # with transformers' repetition penalty, which lowers the prompt's tokens too
         penalty = load_config("tiny").eval.generation.repetition_penalty
         assert generated[0]["generated_text"] == _greedy(folder, MESSAGES, NEW_TOKENS, penalty)
 
@@ -165,11 +176,34 @@ def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tm
     message = answer["choices"][0]["message"]
     assert message["role"] == "assistant"
     assert 0 < answer["usage"]["completion_tokens"] <= NEW_TOKENS
-    # The policy's greedy answer under the eval stage's repetition penalty (transformers' form of it,
-    # which also counts the prompt's tokens), less the leading space MLflow strips.
-    sampling = load_config("tiny").eval.generation
-    greedy = _greedy(tracking.download(outputs["policy_model"]), MESSAGES, NEW_TOKENS, sampling.repetition_penalty)
-    assert message["content"] == greedy.lstrip()
+    # The eval stage's greedy answer under its repetition penalty (on the generated tokens only).
+    cfg = load_config("tiny", ["eval.generation.do_sample=false", f"eval.generation.max_new_tokens={NEW_TOKENS}"])
+    folder = tracking.download(outputs["policy_model"])
+    assert message["content"].strip() == _eval_stage_answer(folder, sources.load_tokenizer(str(folder), cfg.model), cfg)
+
+
+def test_a_chat_models_pyfunc_penalises_repetition_as_the_eval_stage_does(tiny, tmp_path):
+    """The eval stage's repetition penalty lowers the tokens generated so far; transformers' also
+    lowers the prompt's. The pyfunc MLflow loads and serves answers as the eval stage does."""
+    import mlflow.pyfunc
+    import mlflow.transformers
+    from mlflow.models import Model
+
+    from stages.mlflow_models import chat
+
+    folder, tokenizer, _ = tiny
+    cfg = load_config("tiny", ["eval.generation.do_sample=false", "eval.generation.repetition_penalty=2.0",
+                               f"eval.generation.max_new_tokens={NEW_TOKENS}"])
+    chat(cfg)(Path(folder), tmp_path / "chat", Model())
+    (answer,) = mlflow.pyfunc.load_model(str(tmp_path / "chat")).predict({"messages": MESSAGES})
+    expected = _eval_stage_answer(folder, tokenizer, cfg)
+    assert answer["choices"][0]["message"]["content"].strip() == expected
+    # transformers' plain pipeline penalises the prompt too: on this prompt it answers otherwise, so
+    # the comparison above tells the two penalties apart.
+    pipeline = mlflow.transformers.load_model(str(tmp_path / "chat"))
+    chat_prompt = pipeline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    plain = pipeline(chat_prompt, return_full_text=False)[0]["generated_text"]
+    assert plain.strip() != expected
 
 
 def test_a_chat_model_samples_as_the_eval_stage_did(full_run):

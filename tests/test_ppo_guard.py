@@ -1,4 +1,4 @@
-"""The live collapse guard (stages/ppo/guard.py) on a real PPO trainer (tiny model, rule reward)
+"""The live collapse guard (stages/ppo/collapse_guard.py) on a real PPO trainer (tiny model, rule reward)
 and the real policy contract: a pass saves the passing point, a breach stops, rolls back (weights
 of the last pass, actor lr scaled, progress kept) or warns. The guard through the whole stage:
 tests/test_ppo_stage.py."""
@@ -12,7 +12,7 @@ from ppo_helpers import RULE, make_trainer
 
 from stages.config import load_config
 from stages.launch import Dist
-from stages.ppo.guard import CollapseGuard
+from stages.ppo.collapse_guard import CollapseGuard
 
 BANDS = ["contracts.policy.max_kl=1.0"]  # a held-out mean KL to SFT above 1 nat is a breach
 
@@ -85,3 +85,24 @@ def test_stop_ends_at_the_first_breach_and_warn_goes_on(tiny, tmp_path):
     assert not guard.stopped and same(actor_weights(trainer), weights)
     assert guard.tags()["rlhf.collapse"].startswith("iteration 1: ") and guard.tags()["rlhf.policy_iteration"] == "0"
     assert guard.check(trainer, evaluation(kl=0.2))["guard/policy_iteration"] == 1.0  # it recovered: a new pass
+
+
+def test_each_rollback_sets_the_actor_lr_to_the_configured_lr_times_the_factor_per_rollback(tiny, tmp_path):
+    """A pass between two rollbacks saves a checkpoint that holds the cut lr; restoring it must not
+    cut again on top: after k rollbacks the actor lr is actor_lr · factor^k, not factor^(1+2+…+k)."""
+    trainer, guard = guarded(tiny, tmp_path, "ppo.on_collapse=rollback", "ppo.max_rollbacks=3",
+                             "ppo.rollback_lr_factor=0.5", "ppo.iterations=10")
+    actor_lr, factor = trainer.ppo.actor_lr, trainer.ppo.rollback_lr_factor
+    for rollbacks in (1, 2, 3):
+        trainer.step()
+        assert guard.check(trainer, evaluation(kl=0.5))["guard/passed"] == 1.0  # a passing point with the lr so far
+        trainer.step()
+        assert guard.check(trainer, evaluation(kl=3.0))["guard/rollbacks"] == rollbacks
+        expected = actor_lr * factor**rollbacks
+        assert [group["lr"] for group in trainer.actor.optimizer.param_groups] == pytest.approx(
+            [expected] * len(trainer.actor.optimizer.param_groups)), rollbacks
+        scheduler = trainer.actor.lr_scheduler
+        assert scheduler.base_lrs == pytest.approx([expected] * len(scheduler.base_lrs))
+    trainer.step()
+    assert trainer.actor.lr_scheduler.get_last_lr()[0] == pytest.approx(actor_lr * factor**3)
+    assert not guard.stopped and [e["action"] for e in guard.state.events] == ["rollback"] * 3

@@ -352,6 +352,39 @@ def test_ppo_clip_through_the_registry_is_the_clipped_surrogate():
     assert loss.item() == pytest.approx(-0.85) and stats["clipfrac"].item() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("loss_agg, expected", [("token_mean", -2.5), ("seq_mean", -3.0)])
+def test_the_policy_loss_aggregates_by_token_or_by_sequence(loss_agg, expected):
+    """ρ = 1, so the clipped surrogate is A itself. Row 0 has 3 response tokens (A = 1, 2, 3), row 1
+    one (A = 4): token_mean −(1 + 2 + 3 + 4) / 4 = −2.5; seq_mean −((1 + 2 + 3) / 3 + 4) / 2 = −3.0."""
+    from stages.losses import registered_policy_loss
+
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    logprobs = torch.zeros(2, 3)
+    loss, stats = registered_policy_loss("ppo_clip")(logprobs, logprobs, advantages, mask, PPOConfig(loss_agg=loss_agg))
+    assert loss.item() == pytest.approx(expected)
+    assert stats["ratio"].item() == pytest.approx(1.0) and stats["clipfrac"].item() == 0.0  # statistics: token means
+    # The KL loss term follows the same switch: k2 = ½ (log π − log π_SFT)² = [[½, ½, ½], [2]] →
+    # token_mean (1.5 + 2) / 4 = 0.875; seq_mean (½ + 2) / 2 = 1.25.
+    ref = -torch.tensor([[1.0, 1.0, 1.0], [2.0, 0.0, 0.0]])
+    assert kl_loss(logprobs, ref, mask, "k2", loss_agg).item() == pytest.approx({"token_mean": 0.875,
+                                                                                 "seq_mean": 1.25}[loss_agg])
+
+
+def test_token_and_sequence_means_agree_when_every_response_has_the_same_length():
+    from stages.losses import aggregate
+
+    per_token, mask = torch.randn(4, 5), torch.ones(4, 5)
+    mask[:, 3:] = 0
+    token_mean = aggregate(per_token, mask, "token_mean").item()
+    assert aggregate(per_token, mask, "seq_mean").item() == pytest.approx(token_mean)
+    mask[0, 1:] = 0  # one response of one token: it weighs a quarter under seq_mean, a tenth under token_mean
+    token_mean = aggregate(per_token, mask, "token_mean").item()
+    assert aggregate(per_token, mask, "seq_mean").item() != pytest.approx(token_mean)
+    with pytest.raises(ConfigError, match="'ppo.loss_agg'"):
+        load_config("tiny", ["ppo.loss_agg=seq_sum"])
+
+
 def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
     """One function and the decorator, in this test: `ppo.advantage_estimator=<its name>` loads."""
     from stages.ppo import advantages

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 from stages.sft import accumulate_step, response_nll
 from stages.training import PlainEngine, collate

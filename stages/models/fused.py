@@ -4,7 +4,7 @@ Between its matrix products a decoder layer runs chains of small elementwise ope
 RMSNorm's cast, square, mean, rsqrt, product and cast back, SwiGLU's SiLU and product. In eager
 mode each is its own pass over a [tokens, hidden] matrix, and their backward as many again; on a
 CPU in bf16 a reward-model training step spent more time in such passes than in its matrix
-products (bench/README.md), and on a GPU each pass is a kernel launch: a reward-model step on an
+products (`bench/fused.py` times both forms), and on a GPU each pass is a kernel launch: a reward-model step on an
 H200 was bound by the host launching ~5,600 kernels, not by the GPU. Here each chain is one
 function compiled by torch's inductor into one loop forward and one backward: C++ on a CPU, Triton
 on a GPU (`torch.compile`, shapes dynamic: one compilation serves every batch). The formulas are

@@ -167,8 +167,7 @@ def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """`attention` with the keys and values repeated for every query head, by SDPA's kernels other
     than cuDNN's. On a GPU, grouped-query heads with a mask leave SDPA only cuDNN's kernel (the
     memory-efficient one takes no `enable_gqa`), and cuDNN builds a plan for every new shape, which
-    dynamic token batches have at most steps of an epoch (bench/README.md measures the cost on an
-    H200). With the heads expanded, as transformers' own SDPA path does, the memory-efficient kernel
+    dynamic token batches have at most steps of an epoch. With the heads expanded, as transformers' own SDPA path does, the memory-efficient kernel
     takes the mask and has no per-shape cost."""
     group = q.shape[1] // k.shape[1]
     with sdpa_kernel(NOT_CUDNN):

@@ -9,8 +9,10 @@ steps come from `stages.models.decoder` (a model's fast path, or its own forward
 Sampling follows transformers' order of logits processors: repetition penalty, temperature,
 top-k, top-p. The repetition penalty reads the tokens generated so far, not the prompt's (paper
 §6.1 and MOSS-RLHF penalise generated tokens only; transformers' processor also penalises every
-prompt token and left pad). The recorded log-probability is under logits / temperature alone, the distribution
-PPO's ratio is taken under (`token_logprobs`: the reference and training forwards take log π the same way).
+prompt token and left pad). The recorded log-probability is under logits / temperature alone, over the whole
+vocabulary (top-k, top-p and the penalty shape what is sampled, not it): the distribution PPO's ratio and
+its tempered KL to SFT are taken under (`token_logprobs`: the reference and training forwards take log π
+the same way).
 """
 
 from __future__ import annotations

@@ -5,20 +5,18 @@ iterations with checkpoints, held-out evaluation, sample tables; the final polic
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
-from stages import interrupt, mlflow_models, precision, sources, stats, tracking
+from stages import lifecycle, mlflow_models, precision, sources, stats, tracking
+from stages.checkpoint import latest, roll_back, trainer_engines
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
-from stages.ppo import checkpoint
 from stages.ppo.advantages import needs_critic
-from stages.ppo.guard import CollapseGuard
+from stages.ppo.collapse_guard import CollapseGuard
 from stages.reward_sources import text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.rewards import RunningMoments, ScoreMode
@@ -119,7 +117,8 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
 @torch.no_grad()
 def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int], gold_fn=None
              ) -> tuple[dict[str, float], pd.DataFrame]:
-    """Held-out check of the collapse indicators: mean score, length, perplexity, KL to SFT, EOS rate,
+    """Held-out check of the collapse indicators: mean score, length, perplexity (T = 1), KL to SFT
+    (tempered: both models at the sampling temperature, as PPO's penalty), EOS rate,
     distinct-2 (repetition inside a response), the score-length correlation (a reward-hacking sign);
     and per response (each rank's share of `rows`, gathered) what the policy contract judges. With
     `gold_fn` (a gold RM's score_fn) each response's gold score too."""
@@ -190,94 +189,93 @@ def score_histogram(scores: list[float], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    ppo = cfg.ppo
-    torch.manual_seed(ppo.seed)
-    splits_dir = Path(inputs["splits_dir"])
-    tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
-    prompts = encode_prompts(tokenizer, read_jsonl(splits_dir / "ppo_prompts.jsonl"), ppo.max_prompt_len)
-    heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.heldout_prompts]
-    eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
-    eval_prompts = encode_prompts(tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
-    ptx_source, ptx = ptx_examples(cfg, tokenizer, splits_dir) if ppo.switches()["ptx"] else ("off", [])
-    pretrained_critic = critic is not None and "critic_model_dir" in inputs
-    moments = initial_moments(reward_model, critic if pretrained_critic else None)
-    trainer = PPOTrainer(ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
-                         ptx_examples=ptx, tokenizer=tokenizer, dist=dist, moments=moments,
-                         warmup=warmup_steps(ppo, pretrained_critic),
-                         precision=precision.resolve(cfg.model.precision, dist.device))
+class PPOTraining(lifecycle.TrainingStage):
+    """One `step` is one PPO-max iteration; every `ppo.eval_every` iterations the held-out evaluation
+    and the collapse guard's verdict on it."""
 
-    checkpoints = dist.workdir / "checkpoints"
-    resume_from = checkpoint.latest(checkpoints)
-    # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
-    # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
-    # curve, of the paired deltas and of the policy contract.
-    gold_fn = None
-    if "gold_reward_model_dir" in inputs:
-        gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
-                                 precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
-        gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
-    baseline_metrics, baseline = evaluate(trainer, eval_prompts, eval_rows, gold_fn)
-    guard = CollapseGuard(cfg, baseline, dist.workdir, dist)
-    if resume_from is not None:
-        checkpoint.load(trainer, resume_from)
-    else:
-        guard.start(trainer)
-    if dist.is_main:
-        tracker.start_attempt({"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
-                               "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
-                               "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
-                               "ppo.critic_model": (inputs.get("critic_model", "reward model") if critic is not None
-                                                    else "none"),
-                               "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
-                               "ppo.initial_moments": moments.state_dict()}, resume_from)
-        tracker.log_metrics(baseline_metrics, step=0)
-    progress = tqdm(total=ppo.iterations, initial=trainer.iteration, desc=f"ppo ({ppo.preset})",
-                    disable=not dist.is_main, dynamic_ncols=True)
-    started = time.perf_counter()
-    while trainer.iteration < ppo.iterations and not guard.stopped:
-        interrupt.stop_point(dist, "ppo", f"after iteration {trainer.iteration} of {ppo.iterations}",
-                             save=lambda: f"checkpoint {checkpoint.save(trainer, checkpoints)}")
+    name, unit, checkpoint_unit, keep_checkpoints = "ppo", "iteration", "iter", 2
+    progress = {"score": "objective/scores", "kl": "objective/kl"}
+
+    def __init__(self, cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist):
+        ppo = self.ppo = cfg.ppo
+        self.cfg, self.tracker = cfg, tracker
+        torch.manual_seed(ppo.seed)
+        splits_dir = Path(inputs["splits_dir"])
+        self.tokenizer, actor, reference, reward_model, critic, score_fn = load_models(cfg, inputs, dist)
+        prompts = encode_prompts(self.tokenizer, read_jsonl(splits_dir / "ppo_prompts.jsonl"), ppo.max_prompt_len)
+        heldout = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.heldout_prompts]
+        self.eval_rows = [r["row"] for r in heldout]  # line numbers in the source file
+        self.eval_prompts = encode_prompts(self.tokenizer, heldout, ppo.max_prompt_len)[dist.rank :: dist.world_size]
+        ptx_source, ptx = ptx_examples(cfg, self.tokenizer, splits_dir) if ppo.switches()["ptx"] else ("off", [])
+        pretrained_critic = critic is not None and "critic_model_dir" in inputs
+        moments = initial_moments(reward_model, critic if pretrained_critic else None)
+        trainer = self.trainer = PPOTrainer(
+            ppo, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts,
+            ptx_examples=ptx, tokenizer=self.tokenizer, dist=dist, moments=moments,
+            warmup=warmup_steps(ppo, pretrained_critic), precision=precision.resolve(cfg.model.precision, dist.device))
+        self.total, self.checkpoint_every = ppo.iterations, ppo.checkpoint_every
+        self.engines, self.guard = trainer_engines(trainer), trainer.guard
+        self.params = {"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
+                       "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
+                       "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
+                       "ppo.critic_model": inputs.get("critic_model", "reward model") if critic is not None else "none",
+                       "ppo.ptx_source": ptx_source, "ppo.warmup_steps": warmup_steps(ppo, pretrained_critic),
+                       "ppo.initial_moments": moments.state_dict()}
+        # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
+        # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
+        # curve, of the paired deltas and of the policy contract; the collapse guard's first passing
+        # point unless a killed attempt saved one.
+        self.gold_fn = None
+        if "gold_reward_model_dir" in inputs:
+            gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
+                                     precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
+            self.gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
+        self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
+        self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist)
+        self.collapse_guard.start(trainer)
+
+    def state(self) -> dict:
+        return self.trainer.state()
+
+    def load_state(self, state: dict) -> None:
+        self.trainer.load_state(state)
+
+    def step(self, number: int) -> dict[str, float]:
+        ppo, trainer = self.ppo, self.trainer
         metrics = trainer.step()
-        it = trainer.iteration
-        if it % ppo.eval_every == 0 or it == ppo.iterations:
-            heldout_metrics, frame = evaluate(trainer, eval_prompts, eval_rows, gold_fn)
-            metrics.update({**heldout_metrics, **paired_deltas(frame, baseline, cfg.statistics),
-                            **guard.check(trainer, frame)})
-        if dist.is_main:
-            tracker.log_metrics(metrics, step=it)
-            if it % ppo.samples_every == 0 or it == ppo.iterations:
-                table = samples_table(tokenizer, trainer)
-                tracker.log_table(table, f"samples/iteration_{it:05d}.json")
-                histogram = tracker.workdir / f"scores_{it:05d}.png"
-                score_histogram(table["score"].tolist(), f"scores at iteration {it}", histogram)
-                tracker.log_artifact(histogram, "samples", buffered=True)
-        if it % ppo.checkpoint_every == 0 and it < ppo.iterations and not guard.stopped:
-            checkpoint.save(trainer, checkpoints)
-        progress.update(1)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-    progress.close()
-    # The policy to register: the last one the guard passed (the final one unless a breach came after).
-    if guard.state.passing_iteration != trainer.iteration:
-        checkpoint.roll_back(trainer, checkpoint.latest(guard.directory))
-    probe = guard.passing_probe() if dist.is_main else None
+        if number % ppo.eval_every == 0 or number == ppo.iterations:
+            heldout_metrics, frame = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
+            metrics.update({**heldout_metrics, **paired_deltas(frame, self.baseline, self.cfg.statistics),
+                            **self.collapse_guard.check(trainer, frame)})
+        if trainer.dist.is_main and (number % ppo.samples_every == 0 or number == ppo.iterations):
+            table = samples_table(self.tokenizer, trainer)
+            self.tracker.log_table(table, f"samples/iteration_{number:05d}.json")
+            histogram = self.tracker.workdir / f"scores_{number:05d}.png"
+            score_histogram(table["score"].tolist(), f"scores at iteration {number}", histogram)
+            self.tracker.log_artifact(histogram, "samples", buffered=True)
+        return metrics
 
-    outputs: dict = {}
-    if dist.is_main:
-        tracker.log_metrics({"ppo/train_seconds": time.perf_counter() - started}, step=trainer.iteration)
-        tracker.set_tags(guard.tags())
-        policy = trained_model(trainer.actor)
+    def stopped(self) -> bool:
+        return self.collapse_guard.stopped
+
+    def finish(self) -> lifecycle.Finish:
+        ppo, trainer, guard = self.ppo, self.trainer, self.collapse_guard
+        # The policy to register: the last one the guard passed (the final one unless a breach came after).
+        if guard.state.passing_iteration != trainer.iteration:
+            roll_back(trainer, latest(guard.directory))
+        policy = trained_model(trainer.actor) if trainer.dist.is_main else None
 
         def save(out: Path) -> None:
             policy.config.use_cache = True
             policy.save_pretrained(out, safe_serialization=True)
-            tokenizer.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
 
         lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
-        if critic is None:  # a critic-free estimator read no critic, whatever the inputs held
+        if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held
             lineage["rlhf.input.critic_model"] = ""
-        published = tracker.publish_model(save, cfg=cfg, inputs=inputs, pack=mlflow_models.chat(cfg), lineage=lineage)
-        outputs = {**published, "ppo_run": tracker.run_id, "policy_probe": tracker.log_probe(probe, "policy_probe")}
-    dist.barrier()
-    checkpoint.discard(dist, checkpoints, guard.directory)  # the published policy is the result
-    return outputs
+        return lifecycle.Finish({}, "policy_probe", probe=guard.passing_probe, save=save, pack=mlflow_models.chat(self.cfg),
+                                lineage=lineage, tags=guard.tags(), folders=(guard.directory,))
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    return lifecycle.run(PPOTraining(cfg, tracker, inputs, dist), cfg, tracker, inputs, dist)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from stages.config import PPOConfig
-from stages.guards import NonFiniteGuard
+from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
-from stages.losses import (POLICY_STAT_NAMES, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
+from stages.losses import (POLICY_STAT_NAMES, aggregate, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
                            value_loss)
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator, masked_whiten
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
@@ -162,6 +162,8 @@ class PPOTrainer:
             # Per response, summed over tokens, with ppo.kl_estimator (k1 by default): unbiased, but a
             # batch mean can be negative when π samples tokens it rates below π_SFT. k3 beside it:
             # never negative, the number to read as "how far from SFT" (Schulman, "Approximating KL").
+            # Both tempered: log π and log π_SFT of logits / T at the sampling temperature (as TRL),
+            # the KL the reward penalises; the entropy below too.
             "objective/kl": kl_per_sequence.mean().item(),
             "objective/kl_k3": (kl_estimate(exp.logprobs, exp.ref_logprobs, "k3") * mask).sum(1).mean().item(),
             "objective/non_score_reward": (-reward_beta * kl_per_sequence).mean().item(),
@@ -233,10 +235,10 @@ class PPOTrainer:
                     pg_loss, pg_stats = self.policy_loss(logprobs, mb.logprobs, advantages, mask, ppo)
                     if ppo.entropy_coef == 0:  # only a statistic: no backward through it
                         token_entropy = token_entropy.detach()
-                    policy_entropy = masked_mean(token_entropy, mask)
+                    policy_entropy = aggregate(token_entropy, mask, ppo.loss_agg)
                     actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
                     if self.kl_loss_coef():  # β · KL as a loss term on log π_θ (kl_penalty_in=loss)
-                        kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator)
+                        kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator, ppo.loss_agg)
                         actor_loss = actor_loss + self.kl_loss_coef() * kl_term
                         step_stats["loss/kl_avg"] = kl_term
                     ptx = torch.zeros(())

@@ -80,6 +80,16 @@ def save_reward_model(model: RewardModel, tokenizer, out: Path, extra: dict) -> 
     (out / REWARD_CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
 
+def scorer_pack(cfg, dist):
+    """The pack a reward model or critic is published with (`stages.reward.pyfunc.scorer`), made on
+    the main rank, the one that publishes: importing it loads MLflow's pyfunc. None on the others."""
+    if not dist.is_main:
+        return None
+    from stages.reward.pyfunc import scorer
+
+    return scorer(cfg)
+
+
 def load_reward_model(folder: str | Path, model_cfg: ModelConfig, dtype=None) -> RewardModel:
     """A saved reward model, with `score_mean`/`score_std` from its reward_config.json, and for a
     critic the running score statistics its pre-training ended with (`running_moments`). Weights in

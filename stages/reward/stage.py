@@ -12,17 +12,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 
-from stages import interrupt, precision, sources, stats, tracking
-from stages.checkpoint import StepCheckpoints
+from stages import lifecycle, precision, sources, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
-from stages.guards import NonFiniteGuard
 from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
+from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
-from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.reward.model import reward_model_from_lm, save_reward_model, scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
 
@@ -139,113 +137,109 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
             "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    rm = cfg.reward
-    torch.manual_seed(rm.seed)
-    splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
-    tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
-    model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
-    sources.align_pad_token(model.lm, tokenizer)
-    pad_id = tokenizer.pad_token_id
+class RewardTraining(lifecycle.TrainingStage):
+    name, progress = "reward", {"loss": "train/loss", "acc": "train/accuracy"}
 
-    train_split, heldout_split = RM_SPLITS[rm.pairs]
-    train_rows, heldout_rows = ((read_jsonl(path) if path.exists() else []) for path in
-                                (splits_dir / f"{train_split}.jsonl", splits_dir / f"{heldout_split}.jsonl"))
-    if not train_rows or not heldout_rows:
-        raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the data "
-                          f"stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set data.splits.{train_split} "
-                          f"and data.splits.{heldout_split}")
-    heldout_rows = heldout_rows[: rm.heldout_pairs]
-    train_set = encode_pairs(tokenizer, train_rows, rm.max_seq_len, rm.max_response_len)
-    heldout = encode_pairs(tokenizer, heldout_rows, rm.max_seq_len, rm.max_response_len)
-    sampler, heldout_sampler = make_sampler(rm, train_set, dist), make_sampler(rm, heldout, dist)
-    total_steps = sampler.steps_per_epoch * rm.epochs
-    if rm.max_steps:
-        total_steps = min(total_steps, rm.max_steps)
+    def __init__(self, cfg: PipelineConfig, inputs: dict, dist: Dist):
+        rm = self.rm = cfg.reward
+        self.cfg, self.dist = cfg, dist
+        torch.manual_seed(rm.seed)
+        splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
+        self.tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
+        model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
+        sources.align_pad_token(model.lm, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
 
-    optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * total_steps), total_steps)
-    engine = make_engine(model, optimizer, scheduler, micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
-                         grad_accum_steps=1, max_grad_norm=rm.max_grad_norm,
-                         precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
-    guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
-    checkpoints = StepCheckpoints(dist, rm.checkpoint_every)
-    resumed = checkpoints.begin({"model": engine}, guard, tracker, params={
-        "model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
-        "reward.world_size": dist.world_size, "reward.total_steps": total_steps,
-        "reward.steps_per_epoch": sampler.steps_per_epoch, "reward.train_pairs": len(train_set),
-        "reward.heldout_pairs": len(heldout), "reward.engine": type(engine).__name__,
-        "reward.zero_stage": dist.zero_stage, "reward.sft_model": inputs["sft_model"]})
-    done = resumed["step"] if resumed else 0
-    if dist.is_main:
+        train_split, heldout_split = RM_SPLITS[rm.pairs]
+        train_rows, heldout_rows = ((read_jsonl(path) if path.exists() else []) for path in
+                                    (splits_dir / f"{train_split}.jsonl", splits_dir / f"{heldout_split}.jsonl"))
+        if not train_rows or not heldout_rows:
+            raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the "
+                              f"data stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set "
+                              f"data.splits.{train_split} and data.splits.{heldout_split}")
+        self.heldout_rows = heldout_rows[: rm.heldout_pairs]
+        self.train_set = encode_pairs(self.tokenizer, train_rows, rm.max_seq_len, rm.max_response_len)
+        self.heldout = encode_pairs(self.tokenizer, self.heldout_rows, rm.max_seq_len, rm.max_response_len)
+        self.sampler, self.heldout_sampler = make_sampler(rm, self.train_set, dist), make_sampler(rm, self.heldout, dist)
+        self.total = self.sampler.steps_per_epoch * rm.epochs
+        if rm.max_steps:
+            self.total = min(self.total, rm.max_steps)
+        self.checkpoint_every, self.log_every = rm.checkpoint_every, rm.log_every
+
+        optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
+        self.scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * self.total), self.total)
+        self.engine = make_engine(model, optimizer, self.scheduler,
+                                  micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
+                                  grad_accum_steps=1, max_grad_norm=rm.max_grad_norm,
+                                  precision=precision.resolve(cfg.model.precision, dist.device), dist=dist)
+        self.engines = {"model": self.engine}
+        self.guard = NonFiniteGuard("reward", rm.max_nonfinite_steps, dist)
+        self.params = {
+            "model": cfg.model.model_dump(mode="json"), "reward": rm.model_dump(mode="json"),
+            "reward.world_size": dist.world_size, "reward.total_steps": self.total,
+            "reward.steps_per_epoch": self.sampler.steps_per_epoch, "reward.train_pairs": len(self.train_set),
+            "reward.heldout_pairs": len(self.heldout), "reward.engine": type(self.engine).__name__,
+            "reward.zero_stage": dist.zero_stage, "reward.sft_model": inputs["sft_model"]}
         # Chosen and rejected answers of rm_train cut at reward.max_response_len (they end without EOS).
-        tracker.log_metrics({"data/cut_answers": count_cut([p.chosen_ids for p in train_set] +
-                                                           [p.rejected_ids for p in train_set], tokenizer)}, step=0)
+        self.first_metrics = {"data/cut_answers": count_cut([p.chosen_ids for p in self.train_set] +
+                                                            [p.rejected_ids for p in self.train_set], self.tokenizer)}
+        self.schedule = None  # each step's pair indices, from the first step this attempt trains
+        self.engine.train()
 
-    def state(step: int) -> dict:
-        return {"step": step, "guard": guard.state_dict()}
-
-    engine.train()
-    # The batches are a function of the epoch (the sampler's seed): a resumed run skips the ones done.
-    schedule = (indices for epoch in range(rm.epochs) for indices in sampler.batches(epoch))
-    progress = tqdm(total=total_steps, initial=done, desc="reward", disable=not dist.is_main, dynamic_ncols=True)
-    started = time.perf_counter()
-    for step, indices in enumerate(itertools.islice(schedule, done, total_steps), start=done + 1):
-        interrupt.stop_point(dist, "reward", f"after step {step - 1} of {total_steps}",
-                             save=lambda: f"checkpoint {checkpoints.save(step - 1, {'model': engine}, state(step - 1))}")
+    def step(self, number: int) -> dict[str, float]:
+        rm, dist = self.rm, self.dist
+        if self.schedule is None:
+            # The batches are a function of the epoch (the sampler's seed): a resumed run skips the ones done.
+            schedule = (indices for epoch in range(rm.epochs) for indices in self.sampler.batches(epoch))
+            self.schedule = itertools.islice(schedule, number - 1, None)
+        indices = next(self.schedule)
         step_started = time.perf_counter()
-        batch = pair_batch([train_set[i] for i in indices], pad_id, dist.device)
-        loss, r_chosen, r_rejected = forward_pairs(engine, batch, len(indices), rm.beta_rm)
-        if guard.check({"loss": loss.total}, f"step {step}"):  # else skipped: no gradient, no weight moves
-            engine.backward(loss.total)
-            engine.step()
+        batch = pair_batch([self.train_set[i] for i in indices], self.pad_id, dist.device)
+        loss, r_chosen, r_rejected = forward_pairs(self.engine, batch, len(indices), rm.beta_rm)
+        if self.guard.check({"loss": loss.total}, f"step {number}"):  # else skipped: no gradient, no weight moves
+            self.engine.backward(loss.total)
+            self.engine.step()
         pairs, pairwise_sum, correct, margin_sum, nll_sum, lm_tokens, tokens, padded = dist.all_reduce_sum(
             step_totals(loss, r_chosen, r_rejected, batch))
         elapsed = time.perf_counter() - step_started
-        train_loss = pairwise_sum / pairs + rm.beta_rm * nll_sum / max(lm_tokens, 1)
-        if dist.is_main and (step % rm.log_every == 0 or step == total_steps):
-            tracker.log_metrics({
-                "train/loss": train_loss,
-                "train/pairwise_loss": pairwise_sum / pairs,
-                **({"train/lm_loss": nll_sum / max(lm_tokens, 1)} if rm.beta_rm else {}),  # 0: not computed
-                "train/accuracy": correct / pairs,
-                "train/margin": margin_sum / pairs,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                "train/tokens_per_s": tokens / elapsed,
-                "train/padding_fraction": 1.0 - tokens / padded,
-                "train/pairs": pairs,
-                "train/epoch": step / sampler.steps_per_epoch,
-                "train/skipped_steps": guard.skipped,
-            }, step=step)
-        if checkpoints.due(step, total_steps):
-            checkpoints.save(step, {"model": engine}, state(step))
-        progress.update(1)
-        progress.set_postfix(loss=f"{train_loss:.3f}", acc=f"{correct / pairs:.2f}")
-    progress.close()
-    train_seconds = time.perf_counter() - started
+        return {
+            "train/loss": pairwise_sum / pairs + rm.beta_rm * nll_sum / max(lm_tokens, 1),
+            "train/pairwise_loss": pairwise_sum / pairs,
+            **({"train/lm_loss": nll_sum / max(lm_tokens, 1)} if rm.beta_rm else {}),  # 0: not computed
+            "train/accuracy": correct / pairs,
+            "train/margin": margin_sum / pairs,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "train/grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+            "train/tokens_per_s": tokens / elapsed,
+            "train/padding_fraction": 1.0 - tokens / padded,
+            "train/pairs": pairs,
+            "train/epoch": number / self.sampler.steps_per_epoch,
+            "train/skipped_steps": self.guard.skipped,
+        }
 
-    scores = score_heldout(engine.module, heldout, heldout_sampler, pad_id, rm.beta_rm, dist)
-    metrics = scores.metrics(cfg.statistics.ci_level)
-    engine.module.score_mean, engine.module.score_std = metrics["eval/score_mean"], metrics["eval/score_std"]
-    outputs: dict = {}
-    if dist.is_main:
-        tracker.log_metrics({**metrics, "reward/train_seconds": train_seconds}, step=total_steps)
-        histogram = tracker.workdir / "margin_histogram.png"
-        margin_histogram(scores.margins, histogram)
-        tracker.log_artifact(histogram, "eval")
-        tracker.log_table(worst_pairs(heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS), "eval/worst_pairs.json")
-        probe_uri = tracker.log_probe(scores.probe(heldout_rows), "reward_probe")
-        from stages.reward.pyfunc import scorer  # imports MLflow's pyfunc: only where a model is published
+    def finish(self) -> lifecycle.Finish:
+        engine, heldout = self.engine, self.heldout
+        scores = score_heldout(engine.module, heldout, self.heldout_sampler, self.pad_id, self.rm.beta_rm, self.dist)
+        metrics = scores.metrics(self.cfg.statistics.ci_level)
+        engine.module.score_mean, engine.module.score_std = metrics["eval/score_mean"], metrics["eval/score_std"]
 
-        published = tracker.publish_model(
-            lambda out: save_reward_model(trained_model(engine), tokenizer, out, {"heldout_pairs": len(heldout),
-                                                                           "heldout_accuracy": metrics["eval/accuracy"]}),
-            cfg=cfg, inputs=inputs, pack=scorer(cfg),
+        def report(tracker) -> None:
+            histogram = tracker.workdir / "margin_histogram.png"
+            margin_histogram(scores.margins, histogram)
+            tracker.log_artifact(histogram, "eval")
+            tracker.log_table(worst_pairs(self.heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
+                              "eval/worst_pairs.json")
+
+        return lifecycle.Finish(
+            metrics, "reward_probe", probe=lambda: scores.probe(self.heldout_rows),
+            save=lambda out: save_reward_model(trained_model(engine), self.tokenizer, out, {
+                "heldout_pairs": len(heldout), "heldout_accuracy": metrics["eval/accuracy"]}),
+            pack=scorer_pack(self.cfg, self.dist),
             lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
                      "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
-                     "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"})
-        outputs = {**published, "reward_run": tracker.run_id, "reward_probe": probe_uri}
-    dist.barrier()
-    checkpoints.remove()  # the published model is the result; they served resuming only
-    return outputs
+                     "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"},
+            report=report)
+
+
+def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+    return lifecycle.run(RewardTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)

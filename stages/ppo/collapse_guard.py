@@ -1,6 +1,7 @@
 """The live collapse guard: the paper's pattern-collapse indicators (§5.1, Figs. 4 and 9: KL to the
 SFT policy blowing up, response length and perplexity drifting) enforced while PPO trains, not only
-by the gate at the end.
+by the gate at the end. The KL is tempered: both policies at the sampling temperature
+(`ppo.generation.temperature`), the KL PPO penalises; the perplexities are at T = 1.
 
 At each held-out evaluation the policy contract (data_contracts, suite `policy`: the same bands the
 gate after the stage checks) judges the policy's responses against the SFT policy's. A pass saves
@@ -8,8 +9,10 @@ a checkpoint (`<workdir>/passing/`, the newest only) and its probe frame. A brea
 `ppo.on_collapse`:
 - stop: the stage ends;
 - rollback: the last passing checkpoint is restored (models, optimisers, running score
-  statistics; the iteration count and prompt stream go on) and the actor lr is multiplied by
-  `ppo.rollback_lr_factor`; after `ppo.max_rollbacks` rollbacks the next breach stops;
+  statistics; the iteration count and prompt stream go on) and the actor lr is set to
+  `ppo.actor_lr · ppo.rollback_lr_factor^k` after the k-th rollback (an absolute value: the restored
+  checkpoint may hold an lr an earlier rollback already cut); after `ppo.max_rollbacks` rollbacks
+  the next breach stops;
 - warn: training goes on.
 In every case the policy the stage registers is the last one that passed (iteration 0 is the SFT
 policy itself, the baseline the bands are measured from), tagged `rlhf.collapse` with the
@@ -24,8 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from stages import checkpoint
 from stages.config import PipelineConfig
-from stages.ppo import checkpoint
 
 NO_COLLAPSE = "none"
 
@@ -62,7 +65,7 @@ class CollapseGuard:
             self._passed(trainer, policy_probe(self.baseline, self.baseline))
 
     def _passed(self, trainer, probe: pd.DataFrame) -> None:
-        checkpoint.save(trainer, self.directory, keep=1)
+        checkpoint.save_trainer(trainer, self.directory, keep=1)
         self.state.passing_iteration = trainer.iteration
         if self.dist.is_main:
             probe.to_parquet(self.probe_file)
@@ -101,7 +104,7 @@ class CollapseGuard:
             if action == "rollback":
                 self.state.rollbacks += 1
                 checkpoint.roll_back(trainer, checkpoint.latest(self.directory))
-                scale_actor_lr(trainer, ppo.rollback_lr_factor ** self.state.rollbacks)
+                set_actor_lr(trainer, trainer.ppo.actor_lr * ppo.rollback_lr_factor ** self.state.rollbacks)
             self.stopped = action == "stop"
             self.state.events.append({"iteration": it, "action": action, "rule": rule})
             self._save_state()
@@ -120,10 +123,12 @@ class CollapseGuard:
                 "rlhf.collapse_guard": self.cfg.ppo.on_collapse}
 
 
-def scale_actor_lr(trainer, factor: float) -> None:
-    """The actor's lr schedule times `factor` (relative to its configured lr: the scheduler state
-    just restored holds the original base lr)."""
+def set_actor_lr(trainer, base_lr: float) -> None:
+    """The actor's lr schedule with peak `base_lr`, at the point of the schedule it has reached. The
+    scheduler state just restored holds the base lr of the checkpoint, which an earlier rollback may
+    have cut already: the new one replaces it rather than scaling it."""
     scheduler = trainer.actor.lr_scheduler
-    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    for group, lr in zip(trainer.actor.optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr * factor
+    for group, lr, restored_base in zip(trainer.actor.optimizer.param_groups, scheduler.get_last_lr(),
+                                        scheduler.base_lrs):
+        group["lr"] = lr * base_lr / restored_base
+    scheduler.base_lrs = [base_lr] * len(scheduler.base_lrs)

@@ -1,0 +1,142 @@
+"""One lifecycle for the stages that train (SFT, reward, critic, PPO), top to bottom in `run`:
+
+1. the attempt: resume from the newest checkpoint in `<stage workdir>/checkpoints` (engines, RNG,
+   non-finite guard, the stage's own state) or start fresh; the params of a fresh start, the tag
+   `rlhf.resumed_from`, and no (metric, step) that the killed attempt logged logged again;
+2. the loop: the stop point (Ctrl-C/SIGTERM stops at a step boundary, with a checkpoint), one step,
+   its metrics logged, a checkpoint every `checkpoint_every` steps, tqdm progress, the time taken;
+3. the end: the held-out evaluation's metrics and `<name>/train_seconds`, the model published
+   (`tracking.StageRun.publish_model`), the contract's probe logged, the checkpoints deleted.
+
+A stage supplies its parts as a `TrainingStage`: built (models, data, engines, the non-finite
+guard) in its constructor, `step`, `finish` (the held-out evaluation and what to publish) and its
+checkpointed `state`. Our own loop rather than a trainer library's (transformers' Trainer,
+Lightning): PPO's iteration is rollouts, a critic, a reference and a collapse guard, which those
+trainers do not step, and every stage's checkpoint, MLflow run and stop request work one way here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tqdm import tqdm
+
+from stages import checkpoint, interrupt
+from stages.launch import Dist
+from stages.nonfinite import NonFiniteGuard
+
+
+@dataclass
+class Finish:
+    """What a stage hands the lifecycle's end, made on every rank after its last step."""
+
+    metrics: dict[str, float]  # the held-out evaluation (main rank), logged at the last step
+    probe_name: str  # the output (and `contracts/<name>.parquet`) holding the contract's probe frame
+    probe: Callable[[], pd.DataFrame]  # called after publishing: SFT's probe generates from the saved folder
+    save: Callable[[Path], None] | None = None  # writes the model's Hugging Face folder; None: nothing to publish
+    pack: Any = None  # the MLflow model around it (stages.mlflow_models)
+    inspect: Callable[[Path], None] | None = None  # run on the saved folder before it is logged
+    lineage: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)  # set on the stage's run before publishing
+    report: Callable[[Any], None] | None = None  # further logging on the stage's run, last (tables, figures)
+    folders: tuple[Path, ...] = ()  # deleted with the checkpoints (PPO's collapse-guard passing point)
+
+
+class TrainingStage:
+    """The parts of a training stage. A subclass builds everything in its constructor (before the
+    lifecycle resumes a checkpoint over it, so numbers of the untrained model can be taken there)
+    and sets the attributes below."""
+
+    name: str  # the stage's name: progress bar, stop message, `<name>/train_seconds`, `<name>_run`
+    unit = "step"  # what one `step` is called in the stop message ("iteration", "rollout")
+    checkpoint_unit = "step"  # the checkpoint folders' prefix (`iter` for PPO's trainer)
+    keep_checkpoints = 1  # the newest checkpoints kept while training
+    total: int  # steps to train
+    checkpoint_every: int  # 0: a checkpoint only when a stop is asked
+    log_every = 1  # metrics logged every N steps, and at the last
+    engines: dict  # name → engine, what a checkpoint saves besides `state()`
+    guard: NonFiniteGuard
+    params: dict  # the MLflow params of a fresh start
+    first_metrics: dict[str, float] = {}  # logged at step 0 (the untrained model's numbers)
+    progress: dict[str, str] = {}  # progress bar label → metric shown
+
+    def state(self) -> dict:
+        """The stage's own state for a checkpoint (the step and the guard's counts are added)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from a checkpoint's state (engines and RNG already restored)."""
+
+    def step(self, number: int) -> dict[str, float]:
+        """Train step `number` (from 1); its metrics (every rank returns them)."""
+        raise NotImplementedError
+
+    def metric_step(self, number: int) -> int:
+        """The MLflow step the metrics of step `number` are logged at."""
+        return number
+
+    def stopped(self) -> bool:
+        """True: stop before `total` (the critic converged, PPO's collapse guard stopped)."""
+        return False
+
+    def finish(self) -> Finish:
+        raise NotImplementedError
+
+
+def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
+    """Train `stage` from its newest checkpoint (or from the start), publish its model and probe;
+    its outputs (on the main rank; {} on the others)."""
+    directory = dist.workdir / "checkpoints"
+
+    def save(step: int) -> Path:
+        return checkpoint.save(directory, step, stage.engines, checkpoint.stage_state(step, stage.guard, stage.state()),
+                               dist, keep=stage.keep_checkpoints, unit=stage.checkpoint_unit)
+
+    # The attempt: fresh, or resumed from the newest checkpoint that verifies.
+    resumed_from, step = checkpoint.latest(directory), 0
+    if resumed_from is not None:
+        state = checkpoint.load(resumed_from, stage.engines, dist)
+        stage.guard.load_state_dict(state["guard"])
+        stage.load_state(state)
+        step = state["step"]
+    if dist.is_main:
+        tracker.start_attempt(stage.params, resumed_from)
+        tracker.log_metrics(stage.first_metrics, step=0)
+
+    # The loop.
+    progress = tqdm(total=stage.total, initial=step, desc=stage.name, disable=not dist.is_main, dynamic_ncols=True)
+    started = time.perf_counter()
+    while step < stage.total and not stage.stopped():
+        interrupt.stop_point(dist, stage.name, f"after {stage.unit} {step} of {stage.total}",
+                             save=lambda: f"checkpoint {save(step)}")
+        metrics = stage.step(step + 1)
+        step += 1
+        if dist.is_main and (step % stage.log_every == 0 or step == stage.total):
+            tracker.log_metrics(metrics, step=stage.metric_step(step))
+        if stage.checkpoint_every and step % stage.checkpoint_every == 0 and step < stage.total and not stage.stopped():
+            save(step)
+        progress.update(1)
+        progress.set_postfix({label: f"{metrics[name]:.3f}" for label, name in stage.progress.items()})
+    progress.close()
+    train_seconds = time.perf_counter() - started
+
+    # The end: evaluate, publish, probe; the checkpoints served resuming only.
+    end = stage.finish()
+    outputs: dict = {}
+    if dist.is_main:
+        tracker.log_metrics({**end.metrics, f"{stage.name}/train_seconds": train_seconds}, step=stage.metric_step(step))
+        tracker.set_tags(end.tags)
+        published = {} if end.save is None else tracker.publish_model(
+            end.save, cfg=cfg, inputs=inputs, pack=end.pack, inspect=end.inspect, lineage=end.lineage)
+        outputs = {**published, f"{stage.name}_run": tracker.run_id,
+                   end.probe_name: tracker.log_probe(end.probe(), end.probe_name)}
+        if end.report is not None:
+            end.report(tracker)
+    dist.barrier()
+    checkpoint.discard(dist, directory, *end.folders)
+    return outputs
