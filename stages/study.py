@@ -360,19 +360,50 @@ def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run:
     return "\n".join(lines) + "\n"
 
 
-def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> str:
-    """The study's figure, table and headline metrics on its run; returns the markdown."""
-    mlflow_client = tracking.client()
+def _results(study_id: str, cfg: PipelineConfig, arms: list[str]) -> tuple[list[ArmResult], pd.DataFrame, str, str]:
+    """(the arms' results, the table, the judge it reads, its markdown), all from MLflow."""
     runs = arm_runs(study_id)
     gold = runs.get(GOLD) if cfg.study.gold else None
     judge = GOLD_JUDGE if gold is not None else cfg.eval.judges[0].name if cfg.eval.judges else "reward_model"
     results = collect(study_id, arms, judge)
     frame = table(results, judge, cfg.statistics.ci_level)
+    chain = runs.get(CHAIN)
+    text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, gold.info.run_id if gold else None)
+    return results, frame, judge, text
+
+
+def report(study_id: str) -> str:
+    """`rlhf report`: a study's table as Markdown, made again from its runs in MLflow, headed by
+    the date, this machine, the study's commit and the command that reproduces it."""
+    import datetime
+    import os
+    import platform
+    import shlex
+
+    run = tracking.client().get_run(study_id)
+    if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
+        raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
+    cfg, preset, overrides, _ = reopen(study_id)
+    arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD)]
+    _, _, _, text = _results(study_id, cfg, arms)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    command = " ".join(["rlhf study --preset", shlex.quote(preset), *(f"--set {shlex.quote(o)}" for o in overrides)])
+    header = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu}, "
+              f"{os.cpu_count()} CPUs ({platform.system()} {platform.machine()}); commit "
+              f"`{run.data.tags.get('rlhf.git_commit', 'unknown')}`; command: `{command}`.", ""]
+    title, rest = text.split("\n", 1)
+    return "\n".join([title, "", *header]) + rest
+
+
+def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> str:
+    """The study's figure, table and headline metrics on its run; returns the markdown."""
+    mlflow_client = tracking.client()
+    results, frame, judge, text = _results(study_id, cfg, arms)
     out.mkdir(parents=True, exist_ok=True)
     figure(results, out / "study.png", tracking.study_title(cfg.preset))
     overoptimisation_figure(results, out / "overoptimisation.png", tracking.study_title(cfg.preset))
-    chain = runs.get(CHAIN)
-    text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, gold.info.run_id if gold else None)
     (out / "study.md").write_text(text)
     (out / "study.html").write_text(report.html(text, out))  # MLflow's artifact view shows its figure
     frame.to_csv(out / "study.csv", index=False)

@@ -90,7 +90,8 @@ def test_the_study_presets_runs_are_not_named_study_study():
     assert (tracking.study_title("tiny"), tracking.study_title("study")) == ("tiny study", "study")
 
 
-def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(prefect_server, hh_file):
+def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(prefect_server, hh_file, tmp_path,
+                                                                                 capsys):
     """`study.gold`, two seeds and best-of-n on the tiny preset: the gold RM trains on pairs
     disjoint from the proxy's, scores every held-out check and decides the champion; the table
     gives intervals across seeds and each seed's value; the overoptimisation figure is logged."""
@@ -146,3 +147,17 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert [round(x * x, 6) for x, _, _ in points["best-of-n"]] == [round(math.log(n) - (n - 1) / n, 6)
                                                                     for n in (1, 2, 4)]
     assert points["ppo-max"][0][1:] == (0.0, 0.0) and all(g is not None for _, _, g in points["ppo-max"])
+
+    # `rlhf report`: the same table, made again from the study's runs in MLflow, with its provenance.
+    from flows.cli import main
+
+    capsys.readouterr()
+    assert main(["report", study_id, "--out", str(tmp_path / "report.md")]) == 0
+    printed = capsys.readouterr().out
+    assert (tmp_path / "report.md").read_text() in printed
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [line for line in printed.splitlines() if line.startswith("| ")] == rows
+    assert client.get_run(study_id).data.tags["rlhf.git_commit"] in printed
+    assert "command: `rlhf study --preset tiny --set" in printed and "study.gold=true" in printed
+    assert main(["report", runs["chain"].info.run_id]) == 2
+    assert "is not a study run" in capsys.readouterr().err
