@@ -227,7 +227,7 @@ def _report(args: argparse.Namespace) -> int:
     from stages import study as studies
 
     try:
-        text = studies.report(args.study_run)
+        text = studies.study_report(args.study_run)
     except (MlflowException, ValueError) as err:
         print(f"rlhf: {getattr(err, 'message', err)}", file=sys.stderr)
         return 2

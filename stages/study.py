@@ -372,7 +372,7 @@ def _results(study_id: str, cfg: PipelineConfig, arms: list[str]) -> tuple[list[
     return results, frame, judge, text
 
 
-def report(study_id: str) -> str:
+def study_report(study_id: str) -> str:
     """`rlhf report`: a study's table as Markdown, made again from its runs in MLflow, headed by
     the date, this machine, the study's commit and the command that reproduces it."""
     import datetime
