@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from data_contracts.suites import SUITES, derive
+from data_contracts.suites import GROUPED, SUITES, derive
 from stages import registry, tracking
 from stages.config import PipelineConfig
 from stages.tracking import CONTRACT_TAG
@@ -64,6 +64,7 @@ class SuiteReport:
     statistics: dict
     failures: list[Failure] = field(default_factory=list)
     result: dict = field(default_factory=dict, repr=False)  # the GX validation result as JSON
+    group: str | None = None  # a `GROUPED` suite's name: this report is one group's (`suite` names the group)
 
 
 @dataclass
@@ -75,7 +76,14 @@ class GateReport:
 
     @property
     def success(self) -> bool:
-        return all(s.success for s in self.suites)
+        """Every suite passed; of a grouped suite (one judge each), at least one group."""
+        groups: dict[str, list[bool]] = {}
+        for s in self.suites:
+            if s.group is None and not s.success:
+                return False
+            if s.group is not None:
+                groups.setdefault(s.group, []).append(s.success)
+        return all(any(passed) for passed in groups.values())
 
     def message(self) -> str:
         failed = [s for s in self.suites if not s.success]
@@ -85,7 +93,8 @@ class GateReport:
         for s in failed:
             rules = " | ".join(f.describe() for f in s.failures)
             parts.append(f"suite '{s.suite}' failed: {rules}")
-        return f"contract gate after '{self.stage}': " + " || ".join(parts)
+        verdict = "passed, but " if self.success else ""
+        return f"contract gate after '{self.stage}': {verdict}" + " || ".join(parts)
 
     def markdown(self) -> str:
         lines = [f"# Contract gate after `{self.stage}`: {'passed' if self.success else 'FAILED'}", "",
@@ -215,14 +224,20 @@ def _keep_docs(site: Path, out: Path) -> None:
 def gate(stage: str, frames: dict[str, pd.DataFrame], cfg: PipelineConfig, *, mlflow_client=None,
          run_id: str | None = None, model_version: str | None = None) -> GateReport:
     """Run the suites of one handoff; log results + Data Docs into `run_id`; raise on failure
-    when `cfg.contracts.mode == "stop"`. frames: suite name → probe frame."""
+    when `cfg.contracts.mode == "stop"`. frames: suite name → probe frame; a `GROUPED` suite runs
+    on each group's rows apart, reported as `<suite>.<value>`."""
     reports = []
     with tempfile.TemporaryDirectory(prefix=f"gate-{stage}-") as tmp:
         tmp_path = Path(tmp)
-        for suite, frame in frames.items():
-            site = tmp_path / "site" / suite
-            report = validate(suite, frame, cfg, docs_dir=site)
-            reports.append(report)
+        for name, frame in frames.items():
+            column = GROUPED.get(name)
+            parts = ({f"{name}.{value}": rows for value, rows in frame.groupby(column, sort=False)}
+                     if column and column in frame.columns else {name: frame})
+            for suite, part in parts.items():
+                site = tmp_path / "site" / suite
+                report = validate(name, part.reset_index(drop=True), cfg, docs_dir=site)
+                report.suite, report.group = suite, name if column else None
+                reports.append(report)
             if mlflow_client is not None and run_id is not None:
                 result_file = tmp_path / f"{suite}.validation.json"
                 result_file.write_text(json.dumps(report.result, indent=1, default=str))

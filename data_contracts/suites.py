@@ -18,7 +18,7 @@ import great_expectations.expectations as gxe
 import pandas as pd
 
 from stages.config import PipelineConfig
-from stages.data import SPLITS, own_sources
+from stages.data import RM_SPLITS, SPLITS, own_sources, pair_digest
 
 RAW_PAIRS_COLUMNS = ["row", "prompt", "rejected_prompt", "chosen", "rejected"]
 SPLITS_COLUMNS = ["row", "split", "prompt", "chosen", "rejected"]
@@ -84,12 +84,18 @@ def splits(cfg: PipelineConfig) -> list:
     chosen one, a prompt set none."""
     sizes = cfg.data.splits.model_dump()
     own = own_sources(cfg.data)
-    pair_splits = [name for name in SPLITS if name not in own]
+    present = [name for name in SPLITS if sizes[name] > 0]
+    pair_splits = [name for name in present if name not in own]
     answered = pair_splits + [name for name in own if name == "sft"]
+    reward_splits = [name for pair in RM_SPLITS.values() for name in pair if sizes[name] > 0]
     return [
         *_schema(SPLITS_COLUMNS),
         gxe.ExpectTableRowCountToEqual(value=sum(sizes.values())),
-        gxe.ExpectColumnDistinctValuesToEqualSet(column="split", value_set=list(SPLITS)),
+        gxe.ExpectColumnDistinctValuesToEqualSet(column="split", value_set=present),
+        # The gold RM judges the proxy only on pairs the proxy never saw: no pair (its row digest)
+        # in two of the reward models' splits.
+        *([gxe.ExpectColumnValuesToBeUnique(column="pair_digest", **_rows(_split_in(reward_splits)))]
+          if any(sizes[name] for name in RM_SPLITS["gold"]) else []),
         # No prompt twice across the union of the splits: leakage between splits (and
         # duplicates inside one) both show up here, with the rows that share a prompt.
         gxe.ExpectColumnValuesToBeUnique(column="prompt"),
@@ -102,7 +108,7 @@ def splits(cfg: PipelineConfig) -> list:
 
 def _split_in(names: list[str]) -> str | None:
     """A row condition for the rows of these splits (None: every split)."""
-    return None if set(names) == set(SPLITS) else f"split in {names!r}"
+    return None if set(names) >= set(SPLITS) else f"split in {names!r}"
 
 
 def sft(cfg: PipelineConfig) -> list:
@@ -177,8 +183,8 @@ def policy(cfg: PipelineConfig) -> list:
 
 def evaluation(cfg: PipelineConfig) -> list:
     """The eval stage's probe: one row per C-Eval answer (kind `ceval`) and per judged pair
-    (kind `judge`; `invalid`: no parseable verdict after a retry, tolerated up to a fraction)."""
-    rules = cfg.contracts.eval
+    (kind `judge`; `invalid`: no parseable verdict after a retry; how many a judge may have is the
+    `judge` suite's rule, per judge)."""
     ceval_rows, judge_rows = 'kind == "ceval"', 'kind == "judge"'
     scored_rows = 'judge_kind in ["reward_model", "reward_source"]'  # score judges: both scores finite
     return [
@@ -191,10 +197,20 @@ def evaluation(cfg: PipelineConfig) -> list:
         gxe.ExpectColumnValuesToNotBeNull(column="verdict", **_rows(judge_rows)),
         gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose", "invalid"],
                                         **_rows(judge_rows)),
-        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose"],
-                                        mostly=1.0 - rules.max_invalid_fraction, **_rows(judge_rows)),
         *_finite("score_policy", where=scored_rows),
         *_finite("score_sft", where=scored_rows),
+    ]
+
+
+def judge(cfg: PipelineConfig) -> list:
+    """One judge's verdicts on the eval stage's pairs (the gate runs it once per judge, `GROUPED`):
+    `invalid` (no parseable verdict after a retry) tolerated up to a fraction. A judge that breaks
+    it cannot judge; the gate names it and the other judges' results stand."""
+    rules = cfg.contracts.eval
+    return [
+        *_schema(["row", "judge", "verdict"]),
+        gxe.ExpectColumnValuesToBeInSet(column="verdict", value_set=["win", "tie", "lose"],
+                                        mostly=1.0 - rules.max_invalid_fraction),
     ]
 
 
@@ -206,11 +222,19 @@ SUITES: dict[str, Callable[[PipelineConfig], list]] = {
     "critic": critic,
     "policy": policy,
     "evaluation": evaluation,
+    "judge": judge,
 }
+
+# Suites the gate runs once per value of a column, each value's rows apart (`<suite>.<value>`): the
+# handoff passes when every other suite passes and at least one group does.
+GROUPED: dict[str, str] = {"judge": "judge"}
 
 # Per-row columns computed from the stage's columns, for batch rules GX states as a column mean.
 DERIVED: dict[str, dict[str, Callable[[pd.DataFrame], pd.Series]]] = {
     "reward": {"correct": lambda f: (f["margin"] > 0).astype(float)},  # mean = held-out accuracy
+    "splits": {"pair_digest": lambda f: pd.Series([pair_digest(p, c, r) for p, c, r in
+                                                   zip(f["prompt"], f["chosen"], f["rejected"])], index=f.index,
+                                                  dtype=object)},
     "policy": {"length_ratio": lambda f: f["response_tokens"] / f["sft_response_tokens_mean"],
                "perplexity_ratio": lambda f: f["perplexity"] / f["sft_perplexity_mean"]},
 }

@@ -236,6 +236,24 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mlflow.exceptions import MlflowException
+
+    from stages import study as studies
+
+    try:
+        text = studies.study_report(args.study_run)
+    except (MlflowException, ValueError) as err:
+        print(f"rlhf: {getattr(err, 'message', err)}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
 def _parse_arms(specs: list[str]) -> dict[str, dict]:
     """`--arm 'NAME={ppo.actor_lr: 1.0e-4}'` (repeatable) → {NAME: overrides}."""
 
@@ -611,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("runs", nargs=2, metavar="RUN", help="pipeline run ids")
     compare.add_argument("--png", default=None, help="where to write the curves (default: rlhf-compare-<A>-<B>.png)")
 
+    report = sub.add_parser("report", help="a study's table as Markdown, from its runs in MLflow")
+    report.add_argument("study_run", metavar="STUDY_RUN", help="the study's MLflow run id")
+    report.add_argument("--out", default=None, help="also write it to this file")
+
     show = sub.add_parser("config", help="print the resolved configuration")
     _config_args(show)
     show.add_argument("--explain", action="store_true",
@@ -659,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "study":
             return _study(args)
+        if args.command == "report":
+            return _report(args)
         if args.command == "plan":
             return _plan(args)
         if args.contracts:

@@ -1,6 +1,8 @@
-"""The `rlhf-study` Prefect flow: one chain (data → SFT → reward → critic), then PPO and
-evaluation once per arm on the chain's artifacts, each a pipeline run (a subflow of this one)
-nested under the study's MLflow run; at the end the study's figure and table (stages/study.py).
+"""The `rlhf-study` Prefect flow: one chain (data → SFT → reward → critic), with `study.gold` a
+gold reward model on the chain's gold pairs, then PPO and evaluation once per arm (and seed of
+`study.seeds`) on the chain's artifacts, each a pipeline run (a subflow of this one) nested under
+the study's MLflow run; the best-of-n arms (a subflow); at the end the study's figures and table
+(stages/study.py).
 
 Arms run one after another in this process. A study resumes where it stopped (`resume`: the
 study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
@@ -21,7 +23,7 @@ from flows import services
 from flows.rlhf import rlhf
 from stages import study as studies
 from stages import tracking
-from stages.config import ConfigError, StudyConfig, load_config, rlhf_home
+from stages.config import ConfigError, PipelineConfig, StudyConfig, load_config, rlhf_home
 
 
 def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:
@@ -29,6 +31,24 @@ def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any])
     if isinstance(base, dict):
         base = [f"{k}={json.dumps(v)}" for k, v in base.items()]
     return [*(base or []), *(f"{k}={json.dumps(v)}" for k, v in arm.items())]
+
+
+def best_of_n(study_id: str, cfg: PipelineConfig, chain: str, gold_model: str | None,
+              arms: dict[str, tuple[int, int]], done: dict[str, Any]) -> None:
+    """The best-of-n arms (stages/best_of_n.py): one set of draws per seed serves every n; an arm
+    finished before is kept."""
+    from stages import best_of_n as bon
+
+    chain_outputs = tracking.outputs_of(chain)
+    for seed in dict.fromkeys(seed for _, seed in arms.values()):
+        todo = {name: n for name, (n, s) in arms.items() if s == seed
+                and (done.get(name) is None or done[name].info.status != "FINISHED")}
+        if not todo:
+            continue
+        drawn = bon.draw(cfg, chain_outputs, gold_model, max(todo.values()) + 1, seed)
+        for name, n in todo.items():
+            run_id = studies.log_best_of_n(study_id, cfg, name, n, seed, bon.arm_metrics(drawn, n, cfg))
+            print(f"study {study_id}: {name} (run {run_id})")
 
 
 @flow(name="rlhf-study", log_prints=True)
@@ -40,7 +60,7 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
     if resume:
         cfg, preset, overrides, arms = studies.reopen(resume)
         study_id = resume
-        if clash := [name for name in new_arms if name in arms or name == studies.CHAIN]:
+        if clash := [name for name in new_arms if name in arms or name in (studies.CHAIN, studies.GOLD)]:
             raise ConfigError(f"study {resume} already has an arm named {clash[0]!r}; give the new arm another name")
     else:
         overrides = _arm_overrides(overrides, {})
@@ -70,9 +90,21 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
 
     try:
         chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
+        gold_model, shared = None, {}
+        if cfg.study.gold:
+            gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), chain)
+            gold_model = tracking.outputs_of(gold)["reward_model"]
+            shared = studies.gold_arm_overrides(cfg, gold_model)
+        names = []
         for name, arm in arms.items():
-            run(name, studies.ARM_STAGES, arm, chain)
-        text = studies.finish(study_id, cfg, list(arms), rlhf_home() / "studies" / study_id)
+            for seeded_name, seeded_arm in studies.seeded(name, arm, cfg.study.seeds).items():
+                run(seeded_name, studies.ARM_STAGES, {**shared, **seeded_arm}, chain)
+                names.append(seeded_name)
+        bon = studies.best_of_n_names(cfg)
+        if bon:
+            best_of_n(study_id, cfg, chain, gold_model, bon, done)
+            names += list(bon)
+        text = studies.finish(study_id, cfg, names, rlhf_home() / "studies" / study_id)
     except CancelledRun as err:  # an arm stopped on request
         tracking.client().set_terminated(study_id, status="KILLED")
         message = f"{err}. Resume the study with: {services.command('rlhf')} study --resume {study_id}"

@@ -111,6 +111,10 @@ class SplitSizes(_Section):
     ppo_prompts: int = Field(256, description="Prompts PPO rolls out.")
     eval_prompts: int = Field(128, description="Held-out prompts: SFT perplexity and probe, critic and policy "
                                                "contracts, the eval stage.")
+    gold_rm_train: int = Field(0, ge=0, description="Pairs a gold reward model trains on (`reward.pairs=gold`, "
+                                                    "`study.gold`), disjoint from the proxy RM's (Gao et al. 2022's "
+                                                    "gold RM). 0: none.")
+    gold_rm_eval: int = Field(0, ge=0, description="Held-out pairs for the gold reward model's accuracy. 0: none.")
 
 
 class DataConfig(_Section):
@@ -257,6 +261,10 @@ class RewardConfig(_PromptAnswerSection):
 
     lr: float = Field(5e-6, description="Peak learning rate. MOSS: lr 5e-6 (config_rm.py, train_rm.sh).")
     weight_decay: float = Field(0.0, description="AdamW weight decay. MOSS: weight_decay 0 (config_rm.py).")
+    pairs: Literal["proxy", "gold"] = Field(
+        "proxy", description="Which pairs the reward model learns from: `proxy` rm_train (judged on rm_eval), the one "
+                             "PPO optimises; `gold` gold_rm_train (judged on gold_rm_eval), a gold RM on pairs "
+                             "disjoint from the proxy's that judges the policy (Gao et al. 2022, `study.gold`).")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
@@ -554,6 +562,11 @@ class PPOConfig(_TrainingSection):
                     "the sampling temperature), length, perplexity (T = 1), EOS rate, distinct-2, score-length "
                     "correlation, and paired deltas to SFT's responses to the same prompts with confidence intervals "
                     "(`statistics`); the collapse guard reads it. ours: ten evaluations in a default run.")
+    gold_reward_model: str | None = Field(
+        None, description="A gold reward model (a model URI or local folder in the reward stage's layout) that scores "
+                          "the held-out responses at every held-out evaluation beside the proxy RM PPO trains "
+                          "against, never a reward: eval/gold_score and its paired delta. Gao et al. 2022's "
+                          "over-optimisation measure; `study.gold` sets it. None: none.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) per evaluation. ours: 64, "
                                                  "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
@@ -699,10 +712,17 @@ class LocalJudgeConfig(_Section):
 
 
 class RewardModelJudgeConfig(_Section):
-    """The run's reward model as a score judge: the answer with the higher r(x, y) wins."""
+    """A reward model as a score judge (the run's own, or `model`): the answer with the higher
+    r(x, y) wins."""
 
     kind: Literal["reward_model"] = Field("reward_model", description="Judge type.")
     name: str = Field("reward_model", description="In metric names: eval/judge/<name>/...")
+    model: str | None = Field(
+        None, description="The reward model that judges: a registered version (`models:/name/3`, "
+                          "`models:/name@alias`), a run's model (`runs:/<id>/...`), a local folder or a hub name, in "
+                          "the layout the reward stage saves. None: the run's own reward model. A gold RM trained "
+                          "on other pairs than the policy's (Gao et al. 2022) judges what that one cannot: its "
+                          "own over-optimisation.")
     tie_margin: float = Field(0.0, description="|r(policy) − r(SFT)| ≤ this is a tie.")
     max_prompts: int | None = Field(None, description="Judge only the first N of eval.heldout_prompts (None: all).")
 
@@ -762,10 +782,11 @@ class EvalConfig(_Section):
     max_prompt_len: int = Field(256, description="Longer prompts lose their oldest tokens.")
     judges: list[JudgeConfig] = Field(
         [RewardModelJudgeConfig(), OpenAIJudgeConfig()],
-        description="Judges of policy vs SFT responses (kind: reward_model, openai, local); the first decides "
-                    "the champion.")
+        description="Judges of policy vs SFT responses (kind: reward_model, openai, local, reward_source); the "
+                    "first that can judge (its invalid verdicts within contracts.eval.max_invalid_fraction) "
+                    "decides the champion.")
     champion_min_lower_bound: float = Field(
-        0.0, description="The first judge decides: alias @champion on the policy version when the lower bound of "
+        0.0, description="The first judge that can judge decides: alias @champion on the policy version when the lower bound of "
                          "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
                          "point estimate above it is not enough: on a few dozen prompts it is often noise.")
     seed: int = Field(42, description="Seed of the sampling.")
@@ -819,6 +840,28 @@ class StudyConfig(_Section):
                     "PPO (Figs. 4 and 9).")
     ablations: bool = Field(False, description="Also one arm per PPO-max switch turned off alone (`ppo-max without "
                                                "<switch>`), the paper's ablation of its tricks.")
+    gold: bool = Field(
+        False, description="Train a gold reward model on data.splits.gold_rm_train (pairs disjoint from the proxy "
+                           "RM's) and make it the judge of record: every held-out check scores with it "
+                           "(ppo.gold_reward_model) and it is the eval stage's first judge, so it decides the "
+                           "champion. Gao et al. 2022's setup: a proxy RM judging its own optimisation cannot tell a "
+                           "better policy from a hacked one. Ours: the gold RM has the proxy's size and recipe, on "
+                           "other pairs (Gao et al.'s gold RM is larger).")
+    seeds: list[int] = Field(
+        [], description="Run every arm once per seed (ppo.seed) on the same chain; the table gives each arm's deltas "
+                        "with a Student-t interval across seeds and the per-seed values, so a claim is over training "
+                        "runs, not only prompts. Empty: one run per arm at the preset's ppo.seed.")
+    best_of_n: list[int] = Field(
+        [], description="Best-of-n arms (stages/best_of_n.py): n answers of the SFT model per held-out prompt, the "
+                        "proxy RM's favourite kept, no training; KL to SFT log n − (n−1)/n (Stiennon et al. 2020, "
+                        "Gao et al. 2022). Gao et al.'s n: 1 to 60,000; empty: none.")
+
+    @field_validator("best_of_n")
+    @classmethod
+    def _positive_n(cls, value: list[int]) -> list[int]:
+        if any(n < 1 for n in value):
+            raise ValueError(f"study.best_of_n: every n is at least 1, got {value}")
+        return sorted(set(value))
 
     @model_validator(mode="after")
     def _arms_share_the_chain(self) -> StudyConfig:

@@ -22,7 +22,9 @@ from stages.sources import DataError, read_records
 
 HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(Human|Assistant):")
-SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts")
+SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts", "gold_rm_train", "gold_rm_eval")
+# The reward model's (train, held-out) splits by `reward.pairs`: the proxy RM PPO optimises, the gold RM that judges it.
+RM_SPLITS = {"proxy": ("rm_train", "rm_eval"), "gold": ("gold_rm_train", "gold_rm_eval")}
 
 
 def split_dialogue(text: str) -> tuple[str, str]:
@@ -357,6 +359,11 @@ def raw_pairs_frame(records: list[dict], data: DataConfig, source: str) -> "pd.D
     return pd.DataFrame(rows, columns=["row", "prompt", "rejected_prompt", "chosen", "rejected"])
 
 
+def pair_digest(prompt: str, chosen: str, rejected: str) -> str:
+    """A preference pair's identity: the sha256 of its prompt and both answers."""
+    return hashlib.sha256(json.dumps([prompt, chosen, rejected], ensure_ascii=False).encode()).hexdigest()
+
+
 def splits_frame(splits: dict[str, list[dict]]) -> "pd.DataFrame":
     """All split rows with their split name."""
     import pandas as pd  # deferred: as above
@@ -417,6 +424,8 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     own = read_own_sources(cfg.data)
     splits = make_splits(pairs, cfg, tuple(name for name in SPLITS if name not in own))
     splits, left_out = add_own_splits(splits, own, cfg)
+    # A pipeline without a gold RM has no gold splits: no empty files or inputs for them.
+    splits = {name: rows for name, rows in splits.items() if rows or name not in RM_SPLITS["gold"]}
     out = tracker.workdir / "splits"
     for name, rows in splits.items():
         write_jsonl(rows, out / f"{name}.jsonl")
@@ -440,8 +449,10 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
 
 
 def corpus_texts(splits_dir: Path) -> list[str]:
-    """All dialogue text of the splits written to `splits_dir`."""
-    return split_texts({name: read_jsonl(splits_dir / f"{name}.jsonl") for name in SPLITS})
+    """All dialogue text of the splits written to `splits_dir` (a folder written without the gold
+    splits has no files for them)."""
+    return split_texts({name: read_jsonl(splits_dir / f"{name}.jsonl") if (splits_dir / f"{name}.jsonl").exists()
+                        else [] for name in SPLITS})
 
 
 def split_texts(splits: dict[str, list[dict]]) -> list[str]:

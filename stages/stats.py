@@ -62,6 +62,21 @@ def paired_delta(policy, sft, level: float = 0.95, resamples: int = 4000, seed: 
     return bootstrap_mean(policy - sft, level, resamples, seed)
 
 
+def across_runs(values, level: float = 0.95) -> Interval:
+    """Student's t interval of the mean of one value per training run (a study's seeds): the
+    spread between runs, which an interval over one run's prompts cannot show. With one run its
+    interval is the point."""
+    from scipy import stats as scipy_stats
+
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or len(x) == 0 or not np.isfinite(x).all():
+        raise ValueError("across_runs needs a non-empty 1-D sequence of finite per-run values")
+    if len(x) == 1:
+        return Interval(float(x[0]), float(x[0]), float(x[0]), level, 1)
+    half = scipy_stats.t.ppf((1 + level) / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    return Interval(float(x.mean()), float(x.mean() - half), float(x.mean() + half), level, len(x))
+
+
 def net_win(verdicts, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> Interval:
     """(win − lose) / n over judged pairs (invalid verdicts count as ties), with its bootstrap interval."""
     try:

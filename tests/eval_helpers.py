@@ -38,10 +38,11 @@ class JudgeServer:
     Markers in a response script faults, on the first request of each conversation: `RATE`
     answers 429, `SLOW` sleeps past the client's timeout, `CRASH` answers 500, `GARBLE` replies
     without a verdict (the retry gets one); `STALL` always sleeps, `NEVER` never gives a verdict
-    and `FIRST` always says `[[A]]` (a position-biased judge)."""
+    and `FIRST` always says `[[A]]` (a position-biased judge). With `verdicts=False` it never gives a
+    verdict to anything: a judge too weak to follow the format."""
 
-    def __init__(self, key: str = SECRET, slow_s: float = 1.5):
-        self.key, self.slow_s = key, slow_s
+    def __init__(self, key: str = SECRET, slow_s: float = 1.5, verdicts: bool = True):
+        self.key, self.slow_s, self.verdicts = key, slow_s, verdicts
         self.calls = 0
         self.statuses: Counter = Counter()
         self.seen: Counter = Counter()  # requests per conversation
@@ -105,7 +106,7 @@ class JudgeServer:
                 self.statuses["timeout"] += 1
             time.sleep(self.slow_s)
             return None, ""
-        if "NEVER" in a + b or ("GARBLE" in a + b and not retry):
+        if not self.verdicts or "NEVER" in a + b or ("GARBLE" in a + b and not retry):
             return 200, "Both responses have merit."
         if "FIRST" in a + b:
             return 200, "Response A reads better.\n[[A]]"

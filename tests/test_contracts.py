@@ -160,6 +160,19 @@ def test_splits_fail_on_prompt_leakage_and_dirty_rows(hh_file):
     assert [e["row"] for e in rules["expect_select_column_values_to_be_unique_within_record"].examples] == [same["row"]]
 
 
+def test_the_gold_reward_models_pairs_are_disjoint_from_the_proxys(hh_file):
+    cfg = _cfg(hh_file, "data.splits.gold_rm_train=16", "data.splits.gold_rm_eval=8")
+    _, pairs, _ = _raw(hh_file, cfg)
+    splits = make_splits(pairs, cfg)
+    assert validate("splits", splits_frame(splits), cfg).success
+    planted = splits["rm_train"][3]  # a pair the proxy RM trains on, planted among the gold RM's
+    splits["gold_rm_train"] = [*splits["gold_rm_train"][:-1], planted]
+    report = validate("splits", splits_frame(splits), cfg)
+    (overlap,) = [f for f in report.failures if f.column == "pair_digest"]
+    assert not report.success and overlap.rule == "expect_column_values_to_be_unique"
+    assert overlap.unexpected_count == 2 and {e["row"] for e in overlap.examples} == {planted["row"]}
+
+
 def test_splits_fail_on_wrong_sizes(hh_file):
     cfg = _cfg(hh_file)
     _, pairs, _ = _raw(hh_file, cfg)

@@ -115,6 +115,33 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
     assert published is not None and published.data == summary
 
 
+def test_a_judge_that_cannot_judge_is_reported_by_name_and_the_other_judges_stand(evaluated):
+    """An OpenAI-compatible judge whose every reply lacks a verdict fails its own contract, named;
+    the reward-model judge's results stand and decide the champion."""
+    from flows.rlhf import rlhf
+
+    run_id, _ = evaluated
+    os.environ[KEY_ENV] = SECRET
+    try:
+        with JudgeServer(verdicts=False) as server:
+            judges = [{"kind": "openai", "name": "weak", "base_url": server.base_url, "api_key_env": KEY_ENV,
+                       "timeout_s": 10}, {"kind": "reward_model"}]
+            again = rlhf(preset="tiny", stages=["eval"], from_run=run_id,
+                         overrides={"eval.judges": judges, "eval.ceval.shots": [0],
+                                    "contracts.eval.max_invalid_fraction": 0.1, "eval.champion_min_lower_bound": -2.0})
+    finally:
+        del os.environ[KEY_ENV]
+    run = stage_run(again, "eval")
+    tags, metrics = run.data.tags, run.data.metrics
+    assert tags["rlhf.contract"] == "passed"
+    assert tags["rlhf.contract.judge.weak"] == "failed" and tags["rlhf.contract.judge.reward_model"] == "passed"
+    assert metrics["eval/judge/weak/invalid_rate"] == 1.0 and metrics["eval/judge/reward_model/invalid_rate"] == 0.0
+    assert "eval/judge/reward_model/net_win_ci_low" in metrics
+    assert tags["rlhf.champion"].startswith("yes (judge reward_model")
+    gate = tracking.download(f"runs:/{run.info.run_id}/contracts/eval_gate.md").read_text()
+    assert "judge.weak" in gate and "8 of 8 rows unexpected" in gate and "| judge.reward_model | passed |" in gate
+
+
 def test_the_api_key_is_nowhere_in_mlflow(evaluated):
     run_id, _ = evaluated
     runs = [tracking.client().get_run(run_id), *tracking.stage_runs(run_id)]
@@ -160,6 +187,6 @@ def test_eval_contract_fails_on_too_many_invalid_verdicts_and_infinite_rm_scores
     frame = _frame(verdicts=("win", "invalid", "invalid", "maybe"), rm_score=math.inf)
     report = validate("evaluation", frame, load_config("demo"))
     failed = _failed(report)
-    assert failed["verdict"] == {101, 102, 103} and failed["score_policy"] == {100, 101, 102, 103}
-    rules = [f.rule for f in report.failures if f.column == "verdict"]
-    assert rules == ["expect_column_values_to_be_in_set"] * 2  # 'maybe' is no verdict; 3 of 4 are not valid
+    assert failed["verdict"] == {103} and failed["score_policy"] == {100, 101, 102, 103}  # 'maybe' is no verdict
+    judge = validate("judge", frame[frame["kind"] == "judge"], load_config("demo"))
+    assert not judge.success and _failed(judge)["verdict"] == {101, 102, 103}  # 3 of 4 are not valid

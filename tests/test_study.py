@@ -4,6 +4,8 @@ study keeps its finished arms."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from pipeline_helpers import version_tags
 
@@ -86,3 +88,76 @@ def test_the_study_presets_runs_are_not_named_study_study():
     from stages import tracking
 
     assert (tracking.study_title("tiny"), tracking.study_title("study")) == ("tiny study", "study")
+
+
+def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(prefect_server, hh_file, tmp_path,
+                                                                                 capsys):
+    """`study.gold`, two seeds and best-of-n on the tiny preset: the gold RM trains on pairs
+    disjoint from the proxy's, scores every held-out check and decides the champion; the table
+    gives intervals across seeds and each seed's value; the overoptimisation figure is logged."""
+    from flows.study import study
+
+    overrides = [*FAST, "study.arms={ppo-max: {}}", "study.gold=true", "study.seeds=[0, 1]",
+                 "study.best_of_n=[1, 2, 4]", "data.splits.gold_rm_train=32", "data.splits.gold_rm_eval=16",
+                 "eval.ceval.subjects=[law]", "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
+    study_id = study(preset="tiny", overrides=overrides)
+    runs = studies.arm_runs(study_id)
+    bon = {"best-of-1", "best-of-2", "best-of-4"}
+    assert set(runs) == {"chain", "gold", "ppo-max seed 0", "ppo-max seed 1",
+                         *(f"{name} seed {s}" for name in bon for s in (0, 1))}
+    assert all(run.info.status == "FINISHED" for run in runs.values())
+    chain, gold = (tracking.outputs_of(runs[name].info.run_id) for name in ("chain", "gold"))
+    assert gold["splits"] == chain["splits"] and gold["reward_model"] != chain["reward_model"]
+    gold_tags = version_tags(gold["reward_model"])
+    assert gold_tags["rlhf.input.splits"] == chain["splits"]
+
+    client = tracking.client()
+    seeds = []
+    for seed in (0, 1):
+        arm = runs[f"ppo-max seed {seed}"]
+        config = tracking.recorded_config(arm.info.run_id)
+        assert config.ppo.seed == seed and config.ppo.gold_reward_model == gold["reward_model"]
+        assert config.eval.judges[0].name == "gold" and config.eval.judges[0].model == gold["reward_model"]
+        stages = tracking.recorded_stages(arm)
+        ppo = client.get_run(stages["ppo"][1]).data.metrics
+        assert {"eval/gold_score", "eval/gold_score_delta_ci_low"} <= set(ppo)
+        assert len(client.get_metric_history(stages["ppo"][1], "eval/gold_score")) == 3  # SFT, iterations 1 and 2
+        ev = client.get_run(stages["eval"][1])
+        assert ev.data.tags["rlhf.champion"].split(" (", 1)[1].startswith("judge gold")
+        seeds.append(ppo["eval/gold_score_delta"])
+    for name in bon:
+        n = int(name.rsplit("-", 1)[1])
+        metrics = runs[f"{name} seed 0"].data.metrics
+        assert metrics["eval/kl"] == pytest.approx(math.log(n) - (n - 1) / n)
+        assert "eval/gold_score_delta_ci_high" in metrics and "eval/score_delta" in metrics
+
+    summary = client.get_run(study_id).data.metrics
+    assert summary["ppo-max seed 1/eval/gold_score_delta"] == pytest.approx(seeds[1])
+    low, mean, high = (summary[f"ppo-max/seeds/eval/gold_score_delta{end}"] for end in ("_ci_low", "", "_ci_high"))
+    assert mean == pytest.approx(sum(seeds) / 2) and low <= mean <= high
+    folder = tracking.download(f"runs:/{study_id}/study")
+    assert (folder / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
+    text = (folder / "study.md").read_text()
+    assert "Gold RM (pipeline run" in text and "held-out accuracy" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ppo-max |"))
+    assert "across 2 seeds" in row and f"{seeds[0]:+.3f}" in row and "judge gold net win" in text
+    assert any(line.startswith("| best-of-4 | 2 | n = 4 |") for line in text.splitlines())
+    arms = [name for name in runs if name not in ("chain", "gold")]
+    points = studies.overoptimisation_points(studies.collect(study_id, arms, "gold"))
+    assert [round(x * x, 6) for x, _, _ in points["best-of-n"]] == [round(math.log(n) - (n - 1) / n, 6)
+                                                                    for n in (1, 2, 4)]
+    assert points["ppo-max"][0][1:] == (0.0, 0.0) and all(g is not None for _, _, g in points["ppo-max"])
+
+    # `rlhf report`: the same table, made again from the study's runs in MLflow, with its provenance.
+    from flows.cli import main
+
+    capsys.readouterr()
+    assert main(["report", study_id, "--out", str(tmp_path / "report.md")]) == 0
+    printed = capsys.readouterr().out
+    assert (tmp_path / "report.md").read_text() in printed
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert [line for line in printed.splitlines() if line.startswith("| ")] == rows
+    assert client.get_run(study_id).data.tags["rlhf.git_commit"] in printed
+    assert "command: `rlhf study --preset tiny --set" in printed and "study.gold=true" in printed
+    assert main(["report", runs["chain"].info.run_id]) == 2
+    assert "is not a study run" in capsys.readouterr().err

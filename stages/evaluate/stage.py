@@ -2,8 +2,8 @@
 `eval.lm_eval_tasks` through lm-evaluation-harness on both (the same delta), both models'
 sampled responses to held-out eval prompts judged pairwise by each configured judge, the report
 and probe frame in the stage's run, and the registry alias @champion on the policy version when
-the lower bound of the first judge's net-win confidence interval is above
-`eval.champion_min_lower_bound`. A run without a policy
+the lower bound of the net-win confidence interval of the first judge that can judge (its invalid
+verdicts within `contracts.eval.max_invalid_fraction`) is above `eval.champion_min_lower_bound`. A run without a policy
 (only SFT ran) gets C-Eval (and the lm-eval tasks) of the SFT model alone."""
 
 from __future__ import annotations
@@ -34,6 +34,19 @@ def judge_model_config(cfg: PipelineConfig, judge: LocalJudgeConfig) -> ModelCon
     return cfg.model if judge.model is None else cfg.model.model_copy(update={"name_or_path": judge.model, "tokenizer": None})
 
 
+def reward_model_folder(spec: str, downloads: Path) -> Path:
+    """A local folder of the reward model a judge names: a model or artifact URI (models:/, runs:/,
+    s3://, file:) fetched as every input is, a local folder where it is, else a hub name."""
+    if "://" in spec or spec.startswith(("models:/", "runs:/", "file:")):
+        return tracking.download(spec, downloads)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=spec))
+
+
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Local copies of the splits and of every model the evaluation reads."""
     splits_dir = tracking.download(inputs["splits"], downloads)
@@ -43,6 +56,8 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
             local[f"{name}_dir"] = str(tracking.download(inputs[name], downloads))
     if inputs.get("policy_model"):
         for judge in cfg.eval.judges:
+            if judge.kind == "reward_model" and judge.model is not None:
+                local[f"judge_{judge.name}_dir"] = str(reward_model_folder(judge.model, downloads))
             if judge.kind == "local":
                 local[f"judge_{judge.name}_dir"] = sources.materialise_model(
                     judge_model_config(cfg, judge), corpus=lambda: corpus_texts(splits_dir))
@@ -86,9 +101,13 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     if spec.kind == "reward_source":
         return RewardSourceJudge(spec, sources.load_tokenizer(inputs["sft_model_dir"], cfg.model),
                                  cfg.eval.judges.index(spec))
-    if "reward_model_dir" not in inputs:
-        raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none")
-    folder = inputs["reward_model_dir"]
+    if spec.model is not None:
+        folder = inputs[f"judge_{spec.name}_dir"]
+    elif "reward_model_dir" in inputs:
+        folder = inputs["reward_model_dir"]
+    else:
+        raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none; "
+                         f"or name one in eval.judges[{cfg.eval.judges.index(spec)}].model")
     reward_model = load_reward_model(folder, cfg.model, frozen_dtype(cfg.model, device)).to(device).eval()
     return RewardModelJudge(spec, reward_model, sources.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
                             cfg.reward.max_response_len, cfg.eval.generation_batch_size)
@@ -158,6 +177,16 @@ def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
     return pd.concat(judged, ignore_index=True)
 
 
+def deciding_judge(cfg: PipelineConfig, metrics: dict[str, float]) -> tuple[str | None, list[str]]:
+    """(the judge whose net win decides the champion, the judges that could not judge): the first
+    judge whose invalid verdicts stay within `contracts.eval.max_invalid_fraction` (the `judge`
+    contract's rule, which names the others)."""
+    limit = cfg.contracts.eval.max_invalid_fraction
+    usable = [j.name for j in cfg.eval.judges if metrics.get(f"eval/judge/{j.name}/invalid_rate", 1.0) <= limit]
+    unusable = [f"judge {j.name}" for j in cfg.eval.judges if j.name not in usable]
+    return (usable[0] if usable else None), unusable
+
+
 def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> tuple[bool, str]:
     """(whether the policy becomes @champion, the sentence that says why): the lower bound of the
     judge's net-win interval must be above `min_lower_bound`; a point estimate above it is not enough."""
@@ -217,8 +246,13 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
             intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
             for name, interval in intervals[spec.name].items():
                 metrics.update(interval.metrics(f"eval/judge/{spec.name}/{name}"))
-        decider = ev.judges[0].name
-        won, champion = champion_decision(decider, intervals[decider]["net_win"], ev.champion_min_lower_bound)
+        decider, unusable = deciding_judge(cfg, metrics)
+        if decider is None:
+            won, champion = False, f"no (no judge could judge: {', '.join(unusable)})"
+        else:
+            won, champion = champion_decision(decider, intervals[decider]["net_win"], ev.champion_min_lower_bound)
+            if unusable:
+                champion += f"; {', '.join(unusable)} could not judge"
         metrics["eval/champion"] = float(won)
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)

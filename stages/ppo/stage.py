@@ -38,6 +38,8 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
              "reward_model_dir": str(tracking.download(inputs["reward_model"], downloads))}
     if inputs.get("critic_model") and needs_critic(cfg.ppo):
         local["critic_model_dir"] = str(tracking.download(inputs["critic_model"], downloads))
+    if cfg.ppo.gold_reward_model:
+        local["gold_reward_model_dir"] = str(tracking.download(cfg.ppo.gold_reward_model, downloads))
     return local
 
 
@@ -118,11 +120,13 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
 
 
 @torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> tuple[dict[str, float], pd.DataFrame]:
+def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int], gold_fn=None
+             ) -> tuple[dict[str, float], pd.DataFrame]:
     """Held-out check of the collapse indicators: mean score, length, perplexity (T = 1), KL to SFT
     (tempered: both models at the sampling temperature, as PPO's penalty), EOS rate,
     distinct-2 (repetition inside a response), the score-length correlation (a reward-hacking sign);
-    and per response (each rank's share of `rows`, gathered) what the policy contract judges."""
+    and per response (each rank's share of `rows`, gathered) what the policy contract judges. With
+    `gold_fn` (a gold RM's score_fn) each response's gold score too."""
     exp, _, _ = trainer.rollout(prompts, update_moments=False)
     mask = exp.response_mask
     kl = ((exp.logprobs - exp.ref_logprobs) * mask).sum(1)
@@ -130,6 +134,8 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> 
     per_response = {"response_tokens": mask.sum(1), "ended_with_eos": exp.ended_with_eos, "kl": kl,
                     "perplexity": torch.exp(-masked_mean(exp.model_logprobs, mask, dim=1)), "score": exp.scores,
                     "distinct_2": torch.tensor([stats.distinct_n([r], 2) for r in responses])}
+    if gold_fn is not None:
+        per_response["gold_score"] = gold_fn(exp.sequences, exp.attention_mask, exp.prompt_width, mask).float()
     gathered = trainer.dist.gather_rows(len(rows), {name: values.tolist() for name, values in per_response.items()})
     frame = pd.DataFrame({"row": rows, **gathered}).astype({"response_tokens": int, "ended_with_eos": bool})
     metrics = {  # over all ranks' responses (the gathered frame)
@@ -141,6 +147,8 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int]) -> 
         "eval/distinct_2": frame["distinct_2"].mean(),
         "eval/score_length_corr": stats.correlation(frame["score"], frame["response_tokens"]),
     }
+    if gold_fn is not None:
+        metrics["eval/gold_score"] = frame["gold_score"].mean()
     metrics["eval/perplexity"] = trainer.mean_across_ranks({"p": metrics["eval/perplexity"]})["p"]
     return {k: float(v) for k, v in metrics.items()}, frame
 
@@ -151,7 +159,9 @@ def paired_deltas(frame: pd.DataFrame, baseline: pd.DataFrame, statistics: Stati
     options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
     metrics: dict[str, float] = {}
     for column, name in (("score", "score"), ("response_tokens", "response_length"), ("perplexity", "perplexity"),
-                         ("ended_with_eos", "eos_rate")):
+                         ("ended_with_eos", "eos_rate"), ("gold_score", "gold_score")):
+        if column not in frame.columns:
+            continue
         interval = stats.paired_delta(frame[column].astype(float), baseline[column].astype(float), **options)
         metrics.update(interval.metrics(f"eval/{name}_delta"))
     return metrics
@@ -220,7 +230,12 @@ class PPOTraining(lifecycle.TrainingStage):
         # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
         # curve, of the paired deltas and of the policy contract; the collapse guard's first passing
         # point unless a killed attempt saved one.
-        self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows)
+        self.gold_fn = None
+        if "gold_reward_model_dir" in inputs:
+            gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
+                                     precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
+            self.gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
+        self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
         self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist)
         self.collapse_guard.start(trainer)
 
@@ -241,7 +256,7 @@ class PPOTraining(lifecycle.TrainingStage):
             raise lifecycle.StepInterrupted(err) from None
         if number % ppo.eval_every == 0 or number == ppo.iterations:
             try:
-                heldout_metrics, frame = evaluate(trainer, self.eval_prompts, self.eval_rows)
+                heldout_metrics, frame = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
             except RewardServerUnavailable as err:  # the iteration trained: kept, without held-out numbers
                 raise lifecycle.StepInterrupted(err, metrics) from None
             metrics.update({**heldout_metrics, **paired_deltas(frame, self.baseline, self.cfg.statistics),

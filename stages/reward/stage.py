@@ -1,5 +1,6 @@
-"""The reward stage: a reward model from the SFT model, trained on rm_train with the pairwise +
-LM loss in dynamic token batches, evaluated on rm_eval, saved and registered as <prefix>-reward."""
+"""The reward stage: a reward model from the SFT model, trained on rm_train (a gold RM: on
+gold_rm_train, `reward.pairs`) with the pairwise + LM loss in dynamic token batches, evaluated on
+rm_eval (gold_rm_eval), saved and registered as <prefix>-reward."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pandas as pd
 import torch
 
 from stages import lifecycle, precision, sources, stats, tracking
-from stages.config import PipelineConfig, RewardConfig
-from stages.data import count_cut, encode_example, read_jsonl
+from stages.config import ConfigError, PipelineConfig, RewardConfig
+from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
@@ -152,9 +153,15 @@ class RewardTraining(lifecycle.TrainingStage):
         sources.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
-        self.heldout_rows = read_jsonl(splits_dir / "rm_eval.jsonl")[: rm.heldout_pairs]
-        self.train_set = encode_pairs(self.tokenizer, read_jsonl(splits_dir / "rm_train.jsonl"), rm.max_seq_len,
-                                      rm.max_response_len)
+        train_split, heldout_split = RM_SPLITS[rm.pairs]
+        train_rows, heldout_rows = ((read_jsonl(path) if path.exists() else []) for path in
+                                    (splits_dir / f"{train_split}.jsonl", splits_dir / f"{heldout_split}.jsonl"))
+        if not train_rows or not heldout_rows:
+            raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the "
+                              f"data stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set "
+                              f"data.splits.{train_split} and data.splits.{heldout_split}")
+        self.heldout_rows = heldout_rows[: rm.heldout_pairs]
+        self.train_set = encode_pairs(self.tokenizer, train_rows, rm.max_seq_len, rm.max_response_len)
         self.heldout = encode_pairs(self.tokenizer, self.heldout_rows, rm.max_seq_len, rm.max_response_len)
         self.sampler, self.heldout_sampler = make_sampler(rm, self.train_set, dist), make_sampler(rm, self.heldout, dist)
         self.total = self.sampler.steps_per_epoch * rm.epochs
