@@ -237,11 +237,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from mlflow.exceptions import MlflowException  # deferred: MLflow, for the commands that read a store
 
-    from mlflow.exceptions import MlflowException
-
-    from stages import study as studies
+    from stages import study as studies  # deferred: as MLflow above
 
     try:
         text = studies.study_report(args.study_run)

@@ -37,7 +37,7 @@ def best_of_n(study_id: str, cfg: PipelineConfig, chain: str, gold_model: str | 
               arms: dict[str, tuple[int, int]], done: dict[str, Any]) -> None:
     """The best-of-n arms (stages/best_of_n.py): one set of draws per seed serves every n; an arm
     finished before is kept."""
-    from stages import best_of_n as bon
+    from stages import best_of_n as bon  # deferred: imports torch, which the flow process needs for these arms only
 
     chain_outputs = tracking.outputs_of(chain)
     for seed in dict.fromkeys(seed for _, seed in arms.values()):

@@ -66,7 +66,7 @@ def across_runs(values, level: float = 0.95) -> Interval:
     """Student's t interval of the mean of one value per training run (a study's seeds): the
     spread between runs, which an interval over one run's prompts cannot show. With one run its
     interval is the point."""
-    from scipy import stats as scipy_stats
+    from scipy import stats as scipy_stats  # deferred: scipy loads in seconds, for intervals across seeds only
 
     x = np.asarray(values, dtype=float)
     if x.ndim != 1 or len(x) == 0 or not np.isfinite(x).all():

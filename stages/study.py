@@ -15,14 +15,19 @@ runs of their own, tagged `rlhf.arm_kind=best_of_n`.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
+import platform
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from mlflow.entities import Metric
 
 from stages import stats, tracking
 from stages.config import PipelineConfig
@@ -72,8 +77,6 @@ def best_of_n_names(cfg: PipelineConfig) -> dict[str, tuple[int, int]]:
 
 def log_best_of_n(study_id: str, cfg: PipelineConfig, name: str, n: int, seed: int, metrics: dict[str, float]) -> str:
     """A best-of-n arm's run, nested under the study's like a PPO arm's pipeline run; its id."""
-    from mlflow.entities import Metric
-
     mlflow_client = tracking.client()
     study = mlflow_client.get_run(study_id)
     tags = {"mlflow.parentRunId": study_id, tracking.STUDY_TAG: study_id, tracking.ARM_TAG: name,
@@ -284,8 +287,8 @@ def overoptimisation_points(results: list[ArmResult]) -> dict[str, list[tuple[fl
 def overoptimisation_figure(results: list[ArmResult], path: Path, title: str) -> None:
     """Gao et al. 2022's Fig. 1 form: proxy (dashed) and gold (solid) RM score gained over SFT
     against √KL to SFT, every arm (PPO at each held-out check, best-of-n at each n) on one plot."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # deferred: matplotlib, for the figure only
+    from matplotlib.figure import Figure  # deferred: as above
 
     fig = Figure(figsize=(6.4, 4.4), dpi=100)
     FigureCanvasAgg(fig)
@@ -375,11 +378,6 @@ def _results(study_id: str, cfg: PipelineConfig, arms: list[str]) -> tuple[list[
 def study_report(study_id: str) -> str:
     """`rlhf report`: a study's table as Markdown, made again from its runs in MLflow, headed by
     the date, this machine, the study's commit and the command that reproduces it."""
-    import datetime
-    import os
-    import platform
-    import shlex
-
     run = tracking.client().get_run(study_id)
     if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")

@@ -42,7 +42,7 @@ def reward_model_folder(spec: str, downloads: Path) -> Path:
     local = Path(spec).expanduser()
     if local.is_dir():
         return local
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # deferred: only for a judge model named by its hub id
 
     return Path(snapshot_download(repo_id=spec))
 
