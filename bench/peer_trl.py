@@ -201,7 +201,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     seeded scalar head saved as reward model (and critic initialisation)."""
     import torch
 
-    from stages import sources
+    from stages import loading
     from stages.data import load_pairs, make_splits, split_texts
     from stages.ppo.stage import encode_prompts
     from stages.ppo.trainer import shuffled_order
@@ -210,8 +210,8 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     cfg = ours_config(args)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
     reward_dir = tmp / "reward"
     torch.manual_seed(cfg.ppo.seed)  # one seeded scalar head for both sides' reward model and critic
     save_reward_model(reward_model_from_lm(model_dir, cfg.model), tokenizer, reward_dir,

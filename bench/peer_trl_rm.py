@@ -151,7 +151,7 @@ def run_ours(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from stages import precision, sources
+    from stages import loading, precision
     from stages.config import PipelineConfig
     from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
@@ -162,9 +162,9 @@ def run_ours(spec: dict) -> None:
     cfg = PipelineConfig.model_validate(spec["config"])
     rm, dist = cfg.reward, Dist(device=spec["device"])
     torch.manual_seed(rm.seed)
-    tokenizer = sources.load_tokenizer(spec["reward_dir"], cfg.model)
+    tokenizer = loading.load_tokenizer(spec["reward_dir"], cfg.model)
     model = load_reward_model(spec["reward_dir"], cfg.model).to(dist.device)
-    sources.align_pad_token(model.lm, tokenizer)
+    loading.align_pad_token(model.lm, tokenizer)
     pairs = encode_pairs(tokenizer, spec["rows"], rm.max_seq_len, rm.max_response_len)
     assert [p.chosen_ids for p in pairs] == spec["chosen_ids"] and [p.rejected_ids for p in pairs] == spec["rejected_ids"]
     batches = make_sampler(rm, pairs, dist).batches(epoch=0)
@@ -202,7 +202,7 @@ def prepare(args, tmp: Path) -> dict:
     (base model + seeded head, fp32 safetensors), TRL's batch size."""
     import torch
 
-    from stages import sources
+    from stages import loading
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, split_texts
     from stages.launch import Dist
@@ -213,10 +213,10 @@ def prepare(args, tmp: Path) -> dict:
                                     *args.overrides])
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     rows = splits["rm_train"][: args.pairs]
     rm = cfg.reward
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
     reward_dir = tmp / "reward"
     torch.manual_seed(rm.seed)  # one seeded head, saved once, for every side
     save_reward_model(reward_model_from_lm(model_dir, cfg.model), tokenizer, reward_dir,

@@ -45,14 +45,14 @@ def peak_rss_bytes() -> int:
 
 
 def _model_folder(cfg) -> str:
-    from stages import sources
+    from stages import loading
     from stages.data import load_pairs
 
     def corpus() -> list[str]:  # the random model's BPE tokenizer (tiny), as tests/conftest.py trains it
         _, pairs, _ = load_pairs(cfg)
         return [t for p in pairs for t in (p["prompt"], p["chosen"], p["rejected"])]
 
-    return sources.materialise_model(cfg.model, corpus=corpus)
+    return loading.materialise_model(cfg.model, corpus=corpus)
 
 
 def _tokens(generator, vocab: int, length: int, avoid: set[int]) -> list[int]:
@@ -65,7 +65,7 @@ def _tokens(generator, vocab: int, length: int, avoid: set[int]) -> list[int]:
 def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     import torch
 
-    from stages import plan, precision, sources
+    from stages import loading, plan, precision
     from stages.config import load_config
     from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
@@ -73,7 +73,7 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     torch.manual_seed(0)
     cfg = load_config(preset, overrides)
     folder = _model_folder(cfg)
-    tokenizer = sources.load_tokenizer(folder, cfg.model)
+    tokenizer = loading.load_tokenizer(folder, cfg.model)
     resolved = precision.resolve(cfg.model.precision, "cpu")
     frozen = precision.dtype(resolved)
     vocab = len(tokenizer)
@@ -98,8 +98,8 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
         from stages.sft import accumulate_step
 
         s = cfg.sft
-        model = sources.load_model(folder, cfg.model)
-        sources.align_pad_token(model, tokenizer)
+        model = loading.load_model(folder, cfg.model)
+        loading.align_pad_token(model, tokenizer)
         if s.gradient_checkpointing:
             getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
@@ -151,12 +151,12 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
         if not train_actor:
             p = p.model_copy(update={"rollout_batch_size": cfg.critic.rollout_batch_size,
                                      "minibatch_size": cfg.critic.minibatch_size})
-        actor = sources.load_model(folder, cfg.model, None if train_actor else frozen)
-        sources.align_pad_token(actor, tokenizer)
-        reference = (sources.load_model(folder, cfg.model, frozen).eval().requires_grad_(False)
+        actor = loading.load_model(folder, cfg.model, None if train_actor else frozen)
+        loading.align_pad_token(actor, tokenizer)
+        reference = (loading.load_model(folder, cfg.model, frozen).eval().requires_grad_(False)
                      if train_actor else actor)
-        reward_model = RewardModel(sources.load_model(folder, cfg.model, frozen)).eval().requires_grad_(False)
-        critic = RewardModel(sources.load_model(folder, cfg.model)) if needs_critic(p) else None
+        reward_model = RewardModel(loading.load_model(folder, cfg.model, frozen)).eval().requires_grad_(False)
+        critic = RewardModel(loading.load_model(folder, cfg.model)) if needs_critic(p) else None
         prompts = [_tokens(gen, vocab, p.max_prompt_len, special) for _ in range(max(64, p.rollout_batch_size))]
         ptx = [(ids, list(ids)) for ids in (_tokens(gen, vocab, cfg.sft.max_seq_len, special) for _ in range(16))]
         trainer = PPOTrainer(p, actor=actor, critic=critic, reference=reference,

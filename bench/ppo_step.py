@@ -91,7 +91,7 @@ def main() -> None:
 
     import torch
 
-    from stages import precision, sources
+    from stages import loading, precision
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, split_texts
     from stages.reward.model import reward_model_from_lm, save_reward_model
@@ -103,7 +103,7 @@ def main() -> None:
     cfg.ppo.minibatch_size = min(cfg.ppo.minibatch_size, cfg.ppo.rollout_batch_size)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))  # tiny: its BPE tokenizer learns on these
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(splits))  # tiny: its BPE tokenizer learns on these
     ppo = cfg.ppo
     print(f"preset {cfg.preset}, model {cfg.model.name_or_path} (precision {cfg.model.precision} → "
           f"{precision.resolve(cfg.model.precision, device)}; {precision.describe(device)}) on {device}; "
@@ -115,7 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rm_dir = Path(tmp)
         torch.manual_seed(ppo.seed)  # the reward model's fresh scalar head, the same for both modes
-        save_reward_model(reward_model_from_lm(model_dir, cfg.model), sources.load_tokenizer(model_dir, cfg.model),
+        save_reward_model(reward_model_from_lm(model_dir, cfg.model), loading.load_tokenizer(model_dir, cfg.model),
                           rm_dir, {"role": "benchmark: base model with an untrained head"})
         inputs = {"sft_model_dir": model_dir, "reward_model_dir": str(rm_dir)}
         for mode in MODES:

@@ -34,7 +34,7 @@ MODES = ("fp32", "bf16")
 def load_inputs(preset: str, threads: int):
     import torch
 
-    from stages import sources
+    from stages import loading
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, split_texts
 
@@ -42,8 +42,8 @@ def load_inputs(preset: str, threads: int):
     cfg = load_config(preset, ["model.precision=fp32"])
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
     return cfg, splits, model_dir, tokenizer
 
 
@@ -78,7 +78,7 @@ def compare(what: str, losses: dict[str, float], tolerance: float, extra: str = 
 def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -> None:
     import torch
 
-    from stages import sources
+    from stages import loading
     from stages.data import encode_example
     from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
@@ -96,8 +96,8 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
     engines = {}
     for mode in MODES:
         torch.manual_seed(sft.seed)
-        model = sources.load_model(model_dir, cfg.model)
-        sources.align_pad_token(model, tokenizer)
+        model = loading.load_model(model_dir, cfg.model)
+        loading.align_pad_token(model, tokenizer)
         model.config.use_cache = False
         optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
         scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * steps), steps, sft.min_lr_ratio)

@@ -39,7 +39,7 @@ def worker(mode: str, config: dict, model_dir: str, rows: list[dict], turns: int
     """One mode in its own process: builds everything, then runs chunk k of its epoch per message."""
     import torch
 
-    from stages import precision, sources
+    from stages import loading, precision
     from stages.config import PipelineConfig
     from stages.launch import Dist
     from stages.reward.model import reward_model_from_lm
@@ -49,9 +49,9 @@ def worker(mode: str, config: dict, model_dir: str, rows: list[dict], turns: int
     cfg = PipelineConfig.model_validate(config)
     rm = cfg.reward.model_copy(update={"dynamic_batching": mode == "dynamic"})
     torch.manual_seed(rm.seed)
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
     model = reward_model_from_lm(model_dir, cfg.model)
-    sources.align_pad_token(model.lm, tokenizer)
+    loading.align_pad_token(model.lm, tokenizer)
     pairs = encode_pairs(tokenizer, rows, rm.max_seq_len, rm.max_response_len)
     batches = make_sampler(rm, pairs, Dist()).batches(epoch=0)
     optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    from stages import precision, sources
+    from stages import loading, precision
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, split_texts
 
@@ -93,7 +93,7 @@ def main() -> None:
     cfg = load_config(args.preset, args.overrides)
     _, clean, _ = load_pairs(cfg)
     splits = make_splits(clean, cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(splits))
     rows = splits["rm_train"][: args.pairs]
     rm = cfg.reward
     print(f"preset {cfg.preset}, model {cfg.model.name_or_path} (precision {precision.resolve(cfg.model.precision, 'cpu')}, "

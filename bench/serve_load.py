@@ -95,15 +95,15 @@ def prepare(args, tmp: Path) -> tuple[Path, list[tuple[str, str]]]:
     """The reward model folder (base model + seeded head) and the (prompt, answer) rows."""
     import torch
 
-    from stages import sources
+    from stages import loading
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, render_prompt, split_texts
     from stages.reward.model import reward_model_from_lm, save_reward_model
 
     cfg = load_config(args.preset, args.overrides)
     _, pairs, _ = load_pairs(cfg)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: split_texts(make_splits(pairs, cfg)))
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: split_texts(make_splits(pairs, cfg)))
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
     reward_dir = tmp / "reward"
     torch.manual_seed(cfg.reward.seed)
     save_reward_model(reward_model_from_lm(model_dir, cfg.model), tokenizer, reward_dir,

@@ -28,7 +28,7 @@ from stages import allocator, interrupt, plan, registry, runs, tracking
 from stages.config import ConfigError, PipelineConfig, config_fields, load_config, rlhf_home
 from stages.data import own_sources
 from stages.plan import TRAINING_STAGES
-from stages.sources import DataError, ModelError, data_dir, resolve_local
+from stages.loading import DataError, ModelError, data_dir, resolve_local
 
 
 def _env_defaults() -> None:
@@ -239,7 +239,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException  # deferred: MLflow, for the commands that read a store
 
-    from stages import study as studies  # deferred: as MLflow above
+    from stages import study_records as studies  # deferred: as MLflow above
 
     try:
         text = studies.study_report(args.study_run)
@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefect.exceptions import CancelledRun  # deferred: Prefect
 
-        from stages.reward_sources import RewardServerUnavailable  # deferred: imports torch
+        from stages.ppo.external_scores import RewardServerUnavailable  # deferred: imports torch
 
         state = None
         try:

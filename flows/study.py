@@ -2,7 +2,7 @@
 gold reward model on the chain's gold pairs, then PPO and evaluation once per arm (and seed of
 `study.seeds`) on the chain's artifacts, each a pipeline run (a subflow of this one) nested under
 the study's MLflow run; the best-of-n arms (a subflow); at the end the study's figures and table
-(stages/study.py).
+(stages/study_records.py).
 
 Arms run one after another in this process. A study resumes where it stopped (`resume`: the
 study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
@@ -21,7 +21,7 @@ from prefect.states import Cancelled
 
 from flows import services
 from flows.rlhf import rlhf
-from stages import study as studies
+from stages import study_records as studies
 from stages import tracking
 from stages.config import ConfigError, PipelineConfig, StudyConfig, load_config, rlhf_home
 

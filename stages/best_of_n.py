@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import precision, sources, stats, tracking
+from stages import loading, precision, stats, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.ppo.experience import reward_model_scores
@@ -44,9 +44,9 @@ def draw(cfg: PipelineConfig, chain: dict[str, str], gold_model: str | None, dra
         downloads = Path(tmp)
         splits_dir = tracking.download(chain["splits"], downloads)
         sft_dir = tracking.download(chain["sft_model"], downloads)
-        tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
-        model = sources.load_model(sft_dir, cfg.model, dtype).to(device).eval()
-        sources.align_pad_token(model, tokenizer)
+        tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
+        model = loading.load_model(sft_dir, cfg.model, dtype).to(device).eval()
+        loading.align_pad_token(model, tokenizer)
         scorers = {"proxy": tracking.download(chain["reward_model"], downloads)}
         if gold_model:
             scorers["gold"] = tracking.download(gold_model, downloads)

@@ -412,7 +412,7 @@ PPO_PRESETS = {
 
 def is_text_reward_source(value: str) -> bool:
     """`python:package.module:function` or `http(s)://…`: the text reward sources of
-    stages/reward_sources.py (PPO's `reward` and the eval stage's `reward_source` judge)."""
+    stages/ppo/external_scores.py (PPO's `reward` and the eval stage's `reward_source` judge)."""
     return bool(re.fullmatch(r"python:[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) or re.fullmatch(r"https?://\S+", value))
 
 
@@ -536,7 +536,7 @@ class PPOConfig(_TrainingSection):
         "rm",
         description="Where the scores come from: `rm` (the trained reward model), `python:package.module:function` "
                     "(a rule or verifier: function(prompts, responses) -> scores), `http://…`/`https://…` (a reward "
-                    "server: stages/reward_sources.py has its API; `rlhf serve-reward` serves our RM with it), or "
+                    "server: stages/ppo/external_scores.py has its API; `rlhf serve-reward` serves our RM with it), or "
                     "`char_fraction:<c>` (tests, reward debugging). ours: the trained reward model.")
     reward_timeout_s: float = Field(60.0, description="A reward server's time to answer one batch. ours: a "
                                                       "rollout batch on a busy server, not a hung one.")
@@ -729,7 +729,7 @@ class RewardModelJudgeConfig(_Section):
 
 class RewardSourceJudgeConfig(_Section):
     """A python function or a reward server as a score judge (the same API as `ppo.reward`'s, in
-    stages/reward_sources.py): the answer with the higher score wins. It sees each prompt
+    stages/ppo/external_scores.py): the answer with the higher score wins. It sees each prompt
     rendered by the SFT model's chat template and each answer as text."""
 
     kind: Literal["reward_source"] = Field("reward_source", description="Judge type.")

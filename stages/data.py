@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from stages.config import ConfigError, DataConfig, PipelineConfig
-from stages.sources import DataError, read_records
+from stages.loading import DataError, read_records
 
 HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(Human|Assistant):")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from stages import sources
+from stages import loading
 from stages.config import GenerationConfig, PipelineConfig
 from stages.data import HH_CHAT_TEMPLATE
 
@@ -69,7 +69,7 @@ def chat(cfg: PipelineConfig) -> Pack:
         # MLflow 3.17's checkpoint-path route (`transformers_model=<folder>`) fails under transformers 5
         # (flavor_config.py reads `check_task(...)["impl"].__name__`, now a string): the pipeline's
         # components go in loaded, from the saved safetensors.
-        model = sources.load_model(str(folder), model_cfg)
+        model = loading.load_model(str(folder), model_cfg)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         if not tokenizer.chat_template:  # a chat request renders as training rendered the prompts
             tokenizer.chat_template = HH_CHAT_TEMPLATE

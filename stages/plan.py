@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from stages import registry, sources
+from stages import loading, registry
 from stages.config import REPO_ROOT, ConfigError, ModelConfig, PipelineConfig, deepspeed_config_path
 from stages.launch import hostfile_slots, stage_device
 
@@ -146,13 +146,13 @@ def read_architecture(model: ModelConfig, explicit: str | None = None) -> Archit
     spec = model.name_or_path
     if spec.startswith("random:"):
         init = model.random_init
-        # the BPE tokenizer's vocabulary is at most bpe_vocab_size (sources._random_llama: len(tokenizer))
+        # the BPE tokenizer's vocabulary is at most bpe_vocab_size (loading._random_llama: len(tokenizer))
         return Architecture(init.hidden_size, init.num_hidden_layers, init.num_attention_heads,
                             init.num_key_value_heads, init.intermediate_size, model.bpe_vocab_size,
                             tie_word_embeddings=True, source=f"{spec} (model.random_init, model.bpe_vocab_size)")
-    gguf = sources.gguf_path(model)
+    gguf = loading.gguf_path(model)
     if gguf is not None:
-        cached = sources.cache_dir() / sources.gguf_cache_key(gguf) / "config.json"
+        cached = loading.cache_dir() / loading.gguf_cache_key(gguf) / "config.json"
         if cached.exists():
             return Architecture.from_config(_read_json(cached), str(cached))
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # deferred: imports torch

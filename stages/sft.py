@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, mlflow_models, precision, sources, tracking
+from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
@@ -76,7 +76,7 @@ def accumulate_step(engine, micro_batches: list[list[tuple[list[int], list[int]]
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Once, before the ranks start: local copies of the splits and of the base model."""
     splits_dir = tracking.download(inputs["splits"], downloads)
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
     return {"splits_dir": str(splits_dir), "base_model_dir": model_dir}
 
 
@@ -90,9 +90,9 @@ class SFTTraining(lifecycle.TrainingStage):
         self.cfg, self.dist = cfg, dist
         torch.manual_seed(sft.seed)
         self.splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
-        tokenizer = self.tokenizer = sources.load_tokenizer(model_dir, cfg.model)
-        model = sources.load_model(model_dir, cfg.model).to(dist.device)
-        sources.align_pad_token(model, tokenizer)
+        tokenizer = self.tokenizer = loading.load_tokenizer(model_dir, cfg.model)
+        model = loading.load_model(model_dir, cfg.model).to(dist.device)
+        loading.align_pad_token(model, tokenizer)
         if sft.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
             getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
@@ -196,7 +196,7 @@ class SFTTraining(lifecycle.TrainingStage):
             started = time.perf_counter()
             rows = read_jsonl(self.splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
             dtype = precision.dtype(precision.resolve(cfg.model.precision, self.dist.device))
-            saved = sources.load_model(str(out), cfg.model, dtype)
+            saved = loading.load_model(str(out), cfg.model, dtype)
             probe_rows.extend(generation_probe(saved, tokenizer, rows, sft.probe_max_new_tokens, sft.max_seq_len))
             probe_seconds.append(time.perf_counter() - started)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stages.launch import free_port
-from stages.sources import default_data_dir
+from stages.loading import default_data_dir
 
 HH_FILE = (default_data_dir() or Path("/nonexistent")) / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 
@@ -117,7 +117,7 @@ def tiny(hh_file):
     from stages.config import load_config
     from stages.data import load_pairs
     from stages.ppo.stage import encode_prompts
-    from stages.sources import load_tokenizer, materialise_model
+    from stages.loading import load_tokenizer, materialise_model
 
     cfg = load_config("tiny", [f"data.pairs={hh_file}"])
     _, pairs, _ = load_pairs(cfg)

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stages import sources
+from stages import loading
 from stages.config import load_config
 
 SECRET = "sk-test-0123456789abcdef-never-logged"
@@ -21,12 +21,12 @@ SECRET = "sk-test-0123456789abcdef-never-logged"
 def tiny_lm():
     """(model, tokenizer) of the tiny preset; the BPE tokenizer learns on 400 HH dialogues."""
     cfg = load_config("tiny")
-    _, records = sources.read_records(cfg.data.pairs, cfg.data)
+    _, records = loading.read_records(cfg.data.pairs, cfg.data)
     texts = [r["chosen"] for r in records[:400]]
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: texts)
-    tokenizer = sources.load_tokenizer(model_dir, cfg.model)
-    model = sources.load_model(model_dir, cfg.model).eval()
-    sources.align_pad_token(model, tokenizer)
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: texts)
+    tokenizer = loading.load_tokenizer(model_dir, cfg.model)
+    model = loading.load_model(model_dir, cfg.model).eval()
+    loading.align_pad_token(model, tokenizer)
     return model, tokenizer
 
 

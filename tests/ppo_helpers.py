@@ -11,7 +11,7 @@ from stages.launch import Dist
 from stages.ppo.experience import rule_scores
 from stages.ppo.trainer import PPOTrainer
 from stages.reward.model import RewardModel
-from stages.sources import load_model
+from stages.loading import load_model
 
 RULE = "char_fraction:e"
 

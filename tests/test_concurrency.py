@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import sources, tracking
+from stages import loading, tracking
 from stages.config import load_config
 
 SMALL = ["--set", "sft.max_steps=2", "--set", "reward.max_steps=2", "--set", "critic.max_steps=2",
@@ -142,8 +142,8 @@ def test_cache_entries_are_built_once_and_load(forced, store):
     cfg = load_config("tiny")
     model_dir = store / "cache" / entries[1]
     assert (model_dir / ".complete").exists() and (store / "cache" / entries[0] / ".complete").exists()
-    tokenizer = sources.load_tokenizer(str(model_dir), cfg.model)
-    assert sources.load_model(str(model_dir), cfg.model).config.vocab_size == len(tokenizer)
+    tokenizer = loading.load_tokenizer(str(model_dir), cfg.model)
+    assert loading.load_model(str(model_dir), cfg.model).config.vocab_size == len(tokenizer)
 
 
 def test_stage_results_are_whole(forced, store):
@@ -177,7 +177,7 @@ def _build_in_process(home: str, started, built: str, out) -> None:
         time.sleep(1.0)  # long enough for the others to find no entry yet
         (folder / "weights.txt").write_text("whole")
 
-    out.put(str(sources.cached("concurrent-entry", build)))
+    out.put(str(loading.cached("concurrent-entry", build)))
 
 
 def test_a_cache_entry_asked_for_by_several_processes_at_once_is_built_once(tmp_path):

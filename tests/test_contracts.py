@@ -14,7 +14,7 @@ from data_contracts import ContractError, gate, validate
 from stages import tracking
 from stages.config import load_config
 from stages.data import load_pairs, make_splits, raw_pairs_frame, splits_frame
-from stages.sources import DataError, read_records
+from stages.loading import DataError, read_records
 
 DIALOGUE = "\n\nHuman: question {i}?\n\nAssistant: {answer}"
 

@@ -15,7 +15,7 @@ import pytest
 
 from data_contracts import ContractError
 from stages import tracking
-from stages.sources import DataError
+from stages.loading import DataError
 
 CORRUPT_EVERY = 20  # 116 of 2312 rows get rejected = chosen: 5 % > the 1 % tolerance
 

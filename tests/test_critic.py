@@ -9,10 +9,10 @@ import torch
 
 from stages.config import load_config
 from stages.launch import Dist
-from stages.ppo.rewards import RunningMoments, reparameterise_scores
+from stages.ppo.reward_shaping import RunningMoments, reparameterise_scores
 from stages.ppo.stage import load_models
 from stages.reward.model import RewardModel, save_reward_model
-from stages.sources import load_model
+from stages.loading import load_model
 
 
 @pytest.fixture(scope="module")

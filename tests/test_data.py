@@ -10,7 +10,7 @@ from stages.data import (
     SPLITS, count_cut, encode_example, load_pairs, make_splits, parse_pair, prompt_messages, render_prompt, render_response,
     split_dialogue,
 )
-from stages.sources import DataError, read_records
+from stages.loading import DataError, read_records
 
 DIALOGUE = "\n\nHuman: hi there\n\nAssistant: hello!\n\nHuman: how are you?\n\nAssistant: fine, thanks"
 
@@ -119,7 +119,7 @@ def test_parquet_csv_and_gz_read_the_same_rows(tmp_path: Path):
 
 
 def _dialogue_tokenizer():
-    from stages.sources import train_bpe_tokenizer
+    from stages.loading import train_bpe_tokenizer
     from transformers import AutoTokenizer
     import tempfile
 

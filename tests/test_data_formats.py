@@ -13,7 +13,7 @@ import pytest
 from stages import tracking
 from stages.config import DataConfig, load_config
 from stages.data import load_pairs, make_splits, parse_pair, read_jsonl
-from stages.sources import DataError
+from stages.loading import DataError
 
 
 def _assistant(text: str) -> list[dict]:

@@ -15,7 +15,7 @@ from stages import tracking
 from stages.config import ConfigError, DataConfig, load_config
 from stages.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
                          read_own_sources, splits_frame)
-from stages.sources import DataError
+from stages.loading import DataError
 
 
 def _assistant(text: str) -> list[dict]:

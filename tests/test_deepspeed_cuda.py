@@ -93,7 +93,7 @@ def batches(tiny, rows: int = 4) -> list[dict[str, torch.Tensor]]:
 def test_sft_loss_under_deepspeed_equals_the_plain_engines(one_nccl_rank, tiny, zero):
     from stages.config import load_config
     from stages.sft import response_nll
-    from stages.sources import load_model
+    from stages.loading import load_model
 
     folder = tiny[0]
     data = batches(tiny)
@@ -116,7 +116,7 @@ def test_reward_and_critic_losses_under_deepspeed_equal_the_plain_engines(one_nc
     from stages.losses import pairwise_loss, value_loss
     from stages.ppo.experience import token_values
     from stages.reward.model import RewardModel
-    from stages.sources import load_model
+    from stages.loading import load_model
 
     folder = tiny[0]
     chosen, rejected = batches(tiny), [batches(tiny)[(step + 1) % STEPS] for step in range(STEPS)]
@@ -152,7 +152,7 @@ def test_a_ppo_iteration_under_deepspeed_equals_the_plain_engines(one_nccl_rank,
     from stages.config import load_config
     from stages.precision import dtype
     from stages.reward.model import RewardModel
-    from stages.sources import load_model
+    from stages.loading import load_model
 
     folder = tiny[0]
     model_cfg = load_config("tiny", ["model.fast_path=off"]).model

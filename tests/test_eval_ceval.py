@@ -15,10 +15,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import BloomConfig, BloomForCausalLM, PreTrainedTokenizerFast
 
 from eval_helpers import tiny_lm
-from stages import sources
+from stages import loading
 from stages.config import CEvalConfig, load_config
 from stages.evaluate import ceval, report
-from stages.sources import DataError, data_dir, resolve_local
+from stages.loading import DataError, data_dir, resolve_local
 
 SUBJECTS = ["computer_network", "law", "physician", "middle_school_politics"]
 
@@ -109,13 +109,13 @@ def test_scorer_answers_every_question_and_aggregates_per_subject(data_cfg, shot
 def _tiny_lm_with_context(positions: int):
     """The tiny preset's model (same BPE tokenizer, same seed) with `positions` positions."""
     cfg = load_config("tiny")
-    _, records = sources.read_records(cfg.data.pairs, cfg.data)
+    _, records = loading.read_records(cfg.data.pairs, cfg.data)
     init = cfg.model.random_init.model_copy(update={"max_position_embeddings": positions})
     model_cfg = cfg.model.model_copy(update={"random_init": init})
-    model_dir = sources.materialise_model(model_cfg, corpus=lambda: [r["chosen"] for r in records[:400]])
-    tokenizer = sources.load_tokenizer(model_dir, model_cfg)
-    model = sources.load_model(model_dir, model_cfg).eval()
-    sources.align_pad_token(model, tokenizer)
+    model_dir = loading.materialise_model(model_cfg, corpus=lambda: [r["chosen"] for r in records[:400]])
+    tokenizer = loading.load_tokenizer(model_dir, model_cfg)
+    model = loading.load_model(model_dir, model_cfg).eval()
+    loading.align_pad_token(model, tokenizer)
     return model, tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Fuzzing the two readers of user input: the data reader (stages/sources.py → stages/data.py:
+"""Fuzzing the two readers of user input: the data reader (stages/loading.py → stages/data.py:
 a file → raw records → pairs → the split files the data stage writes) and the config loader
 (stages/config.py: a preset YAML file + `--set` overrides → PipelineConfig). Whatever the bytes,
 each returns or raises our own error, DataError (naming the file, the row and the rule) or
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from stages.config import ConfigError, DataConfig, PipelineConfig, load_config
 from stages.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
-from stages.sources import DataError, read_records
+from stages.loading import DataError, read_records
 
 COUNTS: Counter = Counter()  # (target, outcome) → inputs
 

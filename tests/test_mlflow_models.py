@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import sources, tracking
+from stages import loading, tracking
 from stages.config import REPO_ROOT, load_config
 from stages.data import HH_CHAT_TEMPLATE, dialogue_text, read_jsonl, render_prompt
 from stages.launch import free_port
@@ -47,7 +47,7 @@ def _name_version(uri: str) -> tuple[str, str]:
 def _greedy(folder: Path, messages: list[dict], new_tokens: int, repetition_penalty: float = 1.0) -> str:
     """The project's own answer: its prompt rendering, its safetensors loader, greedy decoding."""
     cfg = load_config("tiny").model
-    tokenizer, model = sources.load_tokenizer(str(folder), cfg), sources.load_model(str(folder), cfg).eval()
+    tokenizer, model = loading.load_tokenizer(str(folder), cfg), loading.load_model(str(folder), cfg).eval()
     ids = tokenizer(render_prompt(tokenizer, messages), return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
@@ -59,7 +59,7 @@ def _eval_stage_answer(folder, tokenizer, cfg) -> str:
     """The eval stage's answer to MESSAGES under cfg.eval.generation (its own sampling loop)."""
     from stages.evaluate.stage import respond
 
-    model = sources.load_model(str(folder), cfg.model).eval()
+    model = loading.load_model(str(folder), cfg.model).eval()
     (answer,), _ = respond(model, tokenizer, [{"messages": MESSAGES}], cfg, "cpu")
     return answer
 
@@ -86,7 +86,7 @@ def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
         state = pipeline.model.state_dict()
         assert saved and all(torch.equal(state[key], tensor) for key, tensor in saved.items())
         chat = pipeline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-        assert chat == render_prompt(sources.load_tokenizer(str(folder), load_config("tiny").model), MESSAGES)
+        assert chat == render_prompt(loading.load_tokenizer(str(folder), load_config("tiny").model), MESSAGES)
         generated = pipeline(chat, max_new_tokens=NEW_TOKENS, do_sample=False, return_full_text=False)
         # Greedy, under the model's own generation config (test_a_chat_model_samples_as_the_eval_stage_did),
         # with transformers' repetition penalty, which lowers the prompt's tokens too
@@ -179,7 +179,7 @@ def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tm
     # The eval stage's greedy answer under its repetition penalty (on the generated tokens only).
     cfg = load_config("tiny", ["eval.generation.do_sample=false", f"eval.generation.max_new_tokens={NEW_TOKENS}"])
     folder = tracking.download(outputs["policy_model"])
-    assert message["content"].strip() == _eval_stage_answer(folder, sources.load_tokenizer(str(folder), cfg.model), cfg)
+    assert message["content"].strip() == _eval_stage_answer(folder, loading.load_tokenizer(str(folder), cfg.model), cfg)
 
 
 def test_a_chat_models_pyfunc_penalises_repetition_as_the_eval_stage_does(tiny, tmp_path):

@@ -16,7 +16,7 @@ from flows.rlhf import deployments, retry_on_infrastructure_errors, stage_cache_
 from stages import registry
 from stages.config import REPO_ROOT, ConfigError, LaunchConfig, load_config
 from stages.launch import StageLaunchError, rank_command
-from stages.sources import DataError
+from stages.loading import DataError
 
 INPUTS = {"splits": "runs:/d/splits", "sft_model": "models:/rlhf-tiny-sft/1", "reward_model": "models:/rlhf-tiny-reward/1",
           "critic_model": "models:/rlhf-tiny-critic/1", "data_run": "d", "sft_run": "s"}

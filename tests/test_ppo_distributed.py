@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import sources, tracking
+from stages import loading, tracking
 from stages.config import load_config
 from stages.data import corpus_texts
 from stages.launch import execute
@@ -53,10 +53,10 @@ def inputs(tmp_path_factory):
     outputs = execute("data", cfg, pipeline.run_id, {})
     pipeline.finish("FINISHED")
     splits_dir = tracking.download(outputs["splits"])
-    model_dir = sources.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
+    model_dir = loading.materialise_model(cfg.model, corpus=lambda: corpus_texts(splits_dir))
     rm_dir = tmp_path_factory.mktemp("reward-model")
     torch.manual_seed(0)
-    save_reward_model(reward_model_from_lm(model_dir, cfg.model), sources.load_tokenizer(model_dir, cfg.model),
+    save_reward_model(reward_model_from_lm(model_dir, cfg.model), loading.load_tokenizer(model_dir, cfg.model),
                       rm_dir, {})
     return {**outputs, "sft_model": f"file://{model_dir}", "reward_model": f"file://{rm_dir}"}
 

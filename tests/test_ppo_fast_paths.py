@@ -16,7 +16,7 @@ from stages.models.llama import Decoder as LlamaDecoder
 from stages.ppo.experience import response_logits
 from stages.ppo.generation import generate, left_pad
 from stages.logprobs import token_logprobs
-from stages.sources import load_model
+from stages.loading import load_model
 
 
 def small_llama(fast_path: str = "auto", **extra) -> LlamaForCausalLM:

@@ -14,7 +14,7 @@ from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from stages.ppo.advantages import gae
 from stages.tensors import masked_whiten
 from stages.logprobs import logprobs_and_entropy
-from stages.ppo.rewards import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
+from stages.ppo.reward_shaping import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
 
 
 def gae_reference(rewards, values, gamma, lam):

@@ -15,7 +15,7 @@ from stages.ppo.experience import response_logits
 from stages.logprobs import token_logprobs
 from stages.ppo.trainer import warmup_steps
 from stages.reward.model import RewardModel
-from stages.sources import load_model
+from stages.loading import load_model
 from stages.tensors import masked_mean
 
 
@@ -170,7 +170,7 @@ def test_ptx_data_reads_a_separate_text_dataset(tiny, tmp_path):
     """PPO-ptx on pretraining-style text (eq. 17) when `ppo.ptx_data` names a file: every token a
     target; a row without text is a DataError naming file and row. Default: the SFT split."""
     from stages.ppo.stage import ptx_examples
-    from stages.sources import DataError
+    from stages.loading import DataError
 
     _, tokenizer, _ = tiny
     corpus = tmp_path / "corpus.jsonl"

@@ -14,7 +14,7 @@ from stages.launch import Dist
 from stages.losses import next_token_targets, reward_model_loss
 from stages.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
 from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
-from stages.sources import train_bpe_tokenizer
+from stages.loading import train_bpe_tokenizer
 from stages.training import PlainEngine, cosine_with_warmup
 
 WORDS = ("river stone cloud apple window garden paper music summer forest candle orange bridge "

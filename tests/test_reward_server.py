@@ -27,8 +27,8 @@ from stages.config import REPO_ROOT, RewardServerConfig, load_config
 from stages.launch import free_port
 from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.serve import RewardScorer, make_app, make_server
-from stages.reward_sources import RewardSourceError, post_scores
-from stages.sources import load_tokenizer
+from stages.ppo.external_scores import RewardSourceError, post_scores
+from stages.loading import load_tokenizer
 
 TOKEN = "rm-test-token"
 TOKEN_ENV = "RLHF_TEST_RM_TOKEN"

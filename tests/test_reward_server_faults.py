@@ -20,7 +20,7 @@ from stages import tracking
 from stages.config import REPO_ROOT
 from stages.launch import free_port
 from stages.ppo import checkpoint
-from stages.reward_sources import RewardServerUnavailable
+from stages.ppo.external_scores import RewardServerUnavailable
 
 ITERATIONS = 3
 

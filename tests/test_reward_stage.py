@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stages import registry, stats, sources, tracking
+from stages import loading, registry, stats, tracking
 from stages.config import load_config
 from stages.data import read_jsonl
 from stages.launch import Dist, execute
@@ -81,7 +81,7 @@ def test_registered_model_loads_back_with_its_score_statistics(reward_run):
     folder = tracking.download(outputs["reward_model"])
     assert {"model.safetensors", "score_head.safetensors", "reward_config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     model = load_reward_model(folder, cfg.model)
-    tokenizer = sources.load_tokenizer(str(folder), cfg.model)
+    tokenizer = loading.load_tokenizer(str(folder), cfg.model)
     rows = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[: cfg.reward.heldout_pairs]
     heldout = encode_pairs(tokenizer, rows, cfg.reward.max_seq_len, cfg.reward.max_response_len)
     dist = Dist()

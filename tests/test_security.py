@@ -17,7 +17,7 @@ import pytest
 
 from eval_helpers import JudgeServer
 from leaks import files, leaks, mlflow_texts
-from stages import sources, tracking
+from stages import loading, tracking
 from stages.config import REPO_ROOT, ModelConfig
 
 # Distinctive fake secrets, with the characters that URL- and base64-encoding change.
@@ -112,9 +112,9 @@ def test_custom_model_code_runs_only_when_the_config_trusts_it(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
 
     assert ModelConfig().trust_remote_code is False
-    model = sources.load_model(str(folder), ModelConfig())
+    model = loading.load_model(str(folder), ModelConfig())
     assert type(model).__name__ == "LlamaForCausalLM" and not marker.exists()  # transformers' own class
-    model = sources.load_model(str(folder), ModelConfig(trust_remote_code=True))
+    model = loading.load_model(str(folder), ModelConfig(trust_remote_code=True))
     assert type(model).__name__ == "CustomModel" and marker.exists()  # the setting reaches transformers
 
 
@@ -122,7 +122,7 @@ def test_a_pickled_checkpoint_is_refused(tmp_path):
     folder = _tiny_model_folder(tmp_path / "model", safetensors=False)
     with pytest.raises(ValueError, match=r"no safetensors weights \(it has pytorch_model.bin\); weights load as "
                                          r"safetensors only"):
-        sources.load_model(str(folder), ModelConfig())
+        loading.load_model(str(folder), ModelConfig())
 
 
 # -- what the source code does, read with the ast module ----------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages.config import load_config
-from stages.sources import cached, gguf_path, load_model, load_tokenizer, materialise_model
+from stages.loading import cached, gguf_path, load_model, load_tokenizer, materialise_model
 
 
 def _corpus():

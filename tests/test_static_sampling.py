@@ -108,7 +108,7 @@ def test_bucket_pads_to_powers_of_two_then_multiples_of_the_quantum():
 
 
 def test_cuda_graphs_follows_the_config_and_stays_off_on_a_cpu(tiny):
-    from stages.sources import load_model
+    from stages.loading import load_model
 
     folder, _, _ = tiny
     for setting in ("auto", "off"):

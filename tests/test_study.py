@@ -9,7 +9,7 @@ import math
 import pytest
 from pipeline_helpers import version_tags
 
-from stages import study as studies
+from stages import study_records as studies
 from stages import tracking
 from stages.config import ConfigError, load_config
 

@@ -15,7 +15,7 @@ import torch
 from stages.config import DataConfig
 from stages.ppo.sampling import left_pad
 from stages.models import last_hidden_state
-from stages.sources import DataError, data_dir, read_records, resolve_local
+from stages.loading import DataError, data_dir, read_records, resolve_local
 
 LETTERS = "ABCD"
 CATEGORIES = ("STEM", "Social Science", "Humanities", "Other")

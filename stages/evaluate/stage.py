@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import interrupt, precision, sources, tracking
+from stages import interrupt, loading, precision, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.evaluate import ceval, harness, report
@@ -59,7 +59,7 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
             if judge.kind == "reward_model" and judge.model is not None:
                 local[f"judge_{judge.name}_dir"] = str(reward_model_folder(judge.model, downloads))
             if judge.kind == "local":
-                local[f"judge_{judge.name}_dir"] = sources.materialise_model(
+                local[f"judge_{judge.name}_dir"] = loading.materialise_model(
                     judge_model_config(cfg, judge), corpus=lambda: corpus_texts(splits_dir))
     return local
 
@@ -70,9 +70,9 @@ def frozen_dtype(model_cfg: ModelConfig, device: str):
 
 
 def load_lm(model_dir: str, model_cfg: ModelConfig, device: str):
-    tokenizer = sources.load_tokenizer(model_dir, model_cfg)
-    model = sources.load_model(model_dir, model_cfg, frozen_dtype(model_cfg, device)).to(device).eval()
-    sources.align_pad_token(model, tokenizer)
+    tokenizer = loading.load_tokenizer(model_dir, model_cfg)
+    model = loading.load_model(model_dir, model_cfg, frozen_dtype(model_cfg, device)).to(device).eval()
+    loading.align_pad_token(model, tokenizer)
     return model, tokenizer
 
 
@@ -94,12 +94,12 @@ def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str
 
 def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     if spec.kind == "openai":
-        return OpenAIJudge(spec, sources.cache_dir() / "judge")
+        return OpenAIJudge(spec, loading.cache_dir() / "judge")
     if spec.kind == "local":
         model, tokenizer = load_lm(inputs[f"judge_{spec.name}_dir"], judge_model_config(cfg, spec), device)
         return LocalJudge(spec, model, tokenizer, cfg.eval.generation_batch_size)
     if spec.kind == "reward_source":
-        return RewardSourceJudge(spec, sources.load_tokenizer(inputs["sft_model_dir"], cfg.model),
+        return RewardSourceJudge(spec, loading.load_tokenizer(inputs["sft_model_dir"], cfg.model),
                                  cfg.eval.judges.index(spec))
     if spec.model is not None:
         folder = inputs[f"judge_{spec.name}_dir"]
@@ -109,7 +109,7 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
         raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none; "
                          f"or name one in eval.judges[{cfg.eval.judges.index(spec)}].model")
     reward_model = load_reward_model(folder, cfg.model, frozen_dtype(cfg.model, device)).to(device).eval()
-    return RewardModelJudge(spec, reward_model, sources.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
+    return RewardModelJudge(spec, reward_model, loading.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
                             cfg.reward.max_response_len, cfg.eval.generation_batch_size)
 
 

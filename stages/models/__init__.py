@@ -1,7 +1,7 @@
 """The forward passes the stages share, by architecture: a per-architecture fast path where one is
 registered and applies, else the plain path (each model's own transformers forward).
 
-`model.fast_path` (`auto` | `off`) chooses; `sources.load_model` records the setting on the model
+`model.fast_path` (`auto` | `off`) chooses; `loading.load_model` records the setting on the model
 (`set_fast_path`), so the reward model, critic, reference, actor and C-Eval scorer all follow it.
 A model built elsewhere (tests, benches) takes `auto` unless `set_fast_path` says otherwise.
 

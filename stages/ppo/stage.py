@@ -10,16 +10,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, mlflow_models, precision, sources, stats, tracking
+from stages import lifecycle, loading, mlflow_models, precision, stats, tracking
 from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
-from stages.reward_sources import RewardServerUnavailable, text_scores
+from stages.ppo.external_scores import RewardServerUnavailable, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
-from stages.ppo.rewards import RunningMoments, ScoreMode
+from stages.ppo.reward_shaping import RunningMoments, ScoreMode
 from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
 from stages.reward.model import load_reward_model
 from stages.tensors import masked_mean
@@ -56,11 +56,11 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
     keeps those as master weights under bf16), frozen ones in the run's precision; train_actor=False:
     the actor is frozen too (critic pre-training)."""
     sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
-    tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
+    tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
     frozen = precision.dtype(precision.resolve(cfg.model.precision, dist.device))  # trained ones: fp32 (make_engine)
-    actor = sources.load_model(sft_dir, cfg.model, None if train_actor else frozen).to(dist.device)
-    sources.align_pad_token(actor, tokenizer)
-    reference = sources.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
+    actor = loading.load_model(sft_dir, cfg.model, None if train_actor else frozen).to(dist.device)
+    loading.align_pad_token(actor, tokenizer)
+    reference = loading.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
     reward_model = load_reward_model(rm_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
     critic = None
     if needs_critic(cfg.ppo):
@@ -108,12 +108,12 @@ def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str,
         rows = read_jsonl(splits_dir / "sft.jsonl")
         return "sft split", [encode_example(tokenizer, r["messages"], r["chosen"], cfg.sft.max_seq_len,
                                             cfg.sft.max_response_len) for r in rows]
-    source, rows = sources.read_records(cfg.ppo.ptx_data, cfg.data)
+    source, rows = loading.read_records(cfg.ppo.ptx_data, cfg.data)
     examples = []
     for row in rows:
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise sources.DataError(source, row.get("_row"), "ppo.ptx_data needs a non-empty string `text` field")
+            raise loading.DataError(source, row.get("_row"), "ppo.ptx_data needs a non-empty string `text` field")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][: cfg.sft.max_seq_len]
         examples.append((ids, list(ids)))
     return source, examples

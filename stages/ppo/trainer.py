@@ -25,7 +25,7 @@ from stages.losses import (POLICY_STAT_NAMES, aggregate, kl_estimate, kl_loss, p
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.logprobs import logprobs_and_entropy
-from stages.ppo.rewards import RunningMoments, shape_scores, token_rewards
+from stages.ppo.reward_shaping import RunningMoments, shape_scores, token_rewards
 from stages.tensors import masked_mean, masked_whiten
 from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages import sources
+from stages import loading
 from stages.config import ModelConfig
 from stages.losses import next_token_targets
 from stages.models import last_hidden_state
@@ -62,7 +62,7 @@ class RewardModel(torch.nn.Module):
 
 
 def reward_model_from_lm(model_dir: str, model_cfg: ModelConfig, dtype=None) -> RewardModel:
-    lm = sources.load_model(model_dir, model_cfg, dtype)
+    lm = loading.load_model(model_dir, model_cfg, dtype)
     lm.config.use_cache = False
     return RewardModel(lm)
 

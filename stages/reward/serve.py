@@ -1,5 +1,5 @@
 """`rlhf serve-reward`: a trained reward model behind the reward-server API of
-stages/reward_sources.py, on loopback by default, so PPO (`ppo.reward=http://…`), another
+stages/ppo/external_scores.py, on loopback by default, so PPO (`ppo.reward=http://…`), another
 pipeline or a person can score text with it.
 
 Each (prompt, response) is tokenised as PPO's rollout holds it: the prompt text as given (it is
@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stages import sources
+from stages import loading
 from stages.config import ModelConfig, RewardServerConfig
 from stages.data import render_response
 from stages.reward.batching import row_batches
@@ -54,7 +54,7 @@ class RewardScorer:
 
     def __init__(self, folder: Path, model_cfg: ModelConfig, max_seq_len: int,
                  batching: RewardServerConfig | None = None):
-        self.tokenizer = sources.load_tokenizer(str(folder), model_cfg)
+        self.tokenizer = loading.load_tokenizer(str(folder), model_cfg)
         self.model = load_reward_model(folder, model_cfg).eval()
         self.max_seq_len, self.batching = max_seq_len, batching or RewardServerConfig()
         self.lock = threading.Lock()  # one forward at a time: torch already uses every core

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from stages import lifecycle, precision, sources, stats, tracking
+from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
@@ -148,9 +148,9 @@ class RewardTraining(lifecycle.TrainingStage):
         self.cfg, self.dist = cfg, dist
         torch.manual_seed(rm.seed)
         splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
-        self.tokenizer = sources.load_tokenizer(sft_dir, cfg.model)
+        self.tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
         model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
-        sources.align_pad_token(model.lm, self.tokenizer)
+        loading.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
         train_split, heldout_split = RM_SPLITS[rm.pairs]

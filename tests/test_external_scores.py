@@ -1,4 +1,4 @@
-"""PPO's reward sources beside the trained RM (stages/reward_sources.py): a python function and
+"""PPO's reward sources beside the trained RM (stages/ppo/external_scores.py): a python function and
 a reward server over real HTTP each drive tiny PPO through the real flow; `rlhf serve-reward`
 serves our RM with the server API and scores exactly as the RM does; retries, auth and bad
 answers."""
@@ -20,7 +20,7 @@ import torch
 from stages import tracking
 from stages.config import REPO_ROOT, load_config
 from stages.launch import free_port
-from stages.reward_sources import RewardSourceError, batch_texts, post_scores
+from stages.ppo.external_scores import RewardSourceError, batch_texts, post_scores
 
 REWARD_MODULE = '''
 import json, os
@@ -99,7 +99,7 @@ def test_serve_reward_scores_as_the_reward_model_does(reward_server, full_run):
     from stages.ppo.experience import reward_model_scores
     from stages.ppo.stage import encode_prompts
     from stages.reward.model import load_reward_model
-    from stages.sources import load_tokenizer
+    from stages.loading import load_tokenizer
 
     cfg = load_config("tiny")
     outputs = tracking.outputs_of(full_run)
