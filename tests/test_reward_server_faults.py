@@ -19,7 +19,7 @@ import pytest
 from stages import tracking
 from stages.config import REPO_ROOT
 from stages.launch import free_port
-from stages.ppo import checkpoint
+from stages import checkpoint
 from stages.ppo.external_scores import RewardServerUnavailable
 
 ITERATIONS = 3
