@@ -264,7 +264,8 @@ class RewardConfig(_PromptAnswerSection):
     pairs: Literal["proxy", "gold"] = Field(
         "proxy", description="Which pairs the reward model learns from: `proxy` rm_train (judged on rm_eval), the one "
                              "PPO optimises; `gold` gold_rm_train (judged on gold_rm_eval), a gold RM on pairs "
-                             "disjoint from the proxy's that judges the policy (Gao et al. 2022, `study.gold`).")
+                             "disjoint from the proxy's that judges the policy (Gao et al. 2022, `study.gold`). "
+                             "ours: proxy, the one reward model a pipeline run trains.")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
@@ -566,7 +567,8 @@ class PPOConfig(_TrainingSection):
         None, description="A gold reward model (a model URI or local folder in the reward stage's layout) that scores "
                           "the held-out responses at every held-out evaluation beside the proxy RM PPO trains "
                           "against, never a reward: eval/gold_score and its paired delta. Gao et al. 2022's "
-                          "over-optimisation measure; `study.gold` sets it. None: none.")
+                          "over-optimisation measure; `study.gold` sets it. ours: None, no gold "
+                          "judge outside a study.")
     heldout_prompts: int = Field(64, description="Held-out prompts (eval_prompts split) per evaluation. ours: 64, "
                                                  "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
