@@ -319,7 +319,7 @@ def add_own_splits(splits: dict[str, list[dict]], own: dict[str, tuple[str, list
             raise ConfigError(f"data.splits.{name} asks for {size} prompts but {source} has {len(candidates)} "
                               f"distinct ones that no other split holds")
         splits[name] = candidates[:size]
-    return {name: splits[name] for name in SPLITS}, left_out
+    return {name: splits[name] for name in SPLITS if name in splits}, left_out
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
