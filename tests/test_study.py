@@ -49,7 +49,8 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     folder = tracking.download(f"runs:/{study_id}/study")
     assert (folder / "study.png").read_bytes()[:4] == b"\x89PNG"
     table = (folder / "study.md").read_text()
-    assert "| ppo-max | 2 |" in table and "| vanilla | 2 |" in table and " [" in table and "collapse guard" in table
+    # arm | seeds | iterations: one seed, two iterations each
+    assert "| ppo-max | 1 | 2 |" in table and "| vanilla | 1 | 2 |" in table and " [" in table and "collapse guard" in table
     assert 'src="data:image/png;base64,' in (folder / "study.html").read_text()  # the figure inline
     assert "Figure:" in out and "| ppo-max |" in out
     for arm in ("ppo-max", "vanilla"):  # a finished arm's PPO checkpoints are gone (each is the size of 3 models)
@@ -80,7 +81,7 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert tracking.recorded_config(new.info.run_id).ppo.actor_lr == 1.0e-3
     study = client.get_run(study_id)
     assert study.info.run_name == "tiny study · ppo-max vs vanilla vs vanilla lr x10"
-    assert "| vanilla lr x10 | 2 |" in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+    assert "| vanilla lr x10 | 1 | 2 |" in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
     assert "vanilla lr x10/eval/score_delta" in study.data.metrics
 
 
