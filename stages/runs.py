@@ -4,6 +4,7 @@ they differ, and their PPO curves in one figure."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import fnmatch
 import json
@@ -251,6 +252,13 @@ def _cells(view: StageView, metrics: dict[str, float]) -> list[str]:
     return cells
 
 
+def _judges_with_the_trained_against_rm(judges_param: str) -> set[str]:
+    """Names of the `reward_model` judges that read the run's own reward model (no `model` of their
+    own), from the eval run's `eval.judges` param (a logged Python literal)."""
+    judges = ast.literal_eval(judges_param)
+    return {j["name"] for j in judges if j.get("kind") == "reward_model" and not j.get("model")}
+
+
 def _verdict(views: dict[str, StageView]) -> list[str]:
     evaluation = views.get("eval")
     if evaluation is None or "policy" not in evaluation.run.data.params.get("eval.policy_model", "policy"):
@@ -266,9 +274,13 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
     beat = tags.get("rlhf.champion", "").startswith("yes")
     lines = [f"Verdict: the policy {'beat' if beat else 'did not beat'} the SFT model ({judge} judge on {n} held-out "
              f"prompts: {counts}; {tags.get('rlhf.champion', '')})."]
-    if n < 64:
+    if n < 64 and not beat:
         lines.append(f"  {n} prompts cannot separate a small improvement from noise; a run this small is not "
                      f"expected to improve the model measurably (use more eval.heldout_prompts and PPO iterations).")
+    if beat and _judges_with_the_trained_against_rm(evaluation.run.data.params.get("eval.judges", "[]")) & {judge}:
+        lines.append(f"  The {judge} judge is the reward model the policy was trained against: a policy can win on "
+                     f"it by exploiting it (shorter answers, for one). A judge apart from it, a gold RM "
+                     f"(study.gold) or a stronger model, shows whether the model got better: docs/guide/studies.md.")
     outputs = json.loads(tags.get(tracking.OUTPUTS_TAG, "{}"))
     if "eval_report" in outputs:
         lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.html "

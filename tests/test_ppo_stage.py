@@ -77,7 +77,9 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     assert [line.split()[0] for line in lines[1:7]] == ["data", "sft", "reward", "critic", "ppo", "eval"]
     assert "eval/score " in lines[5] and " → " in lines[5]
     verdict = next(line for line in lines if line.startswith("Verdict: the policy "))
-    assert "reward_model judge on 8 held-out prompts" in verdict and "cannot separate" in text
+    assert "reward_model judge on 8 held-out prompts" in verdict
+    assert ("cannot separate" in text) == ("did not beat" in verdict)  # only a loss can blame the sample size
+    assert ("the reward model the policy was trained against" in text) == ("did not beat" not in verdict)
     assert "Report: runs:/" in text
 
     description = parent.data.tags["mlflow.note.content"]
