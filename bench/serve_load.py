@@ -60,10 +60,11 @@ def main() -> None:
                         help="torch threads of each server (OMP_NUM_THREADS; default: torch's, one per core); 1 where "
                              "other jobs load the cores (waiting threads of a parallel region stall it)")
     parser.add_argument("--timeout", type=float, default=120.0, help="a request unanswered this long is an error")
-    parser.add_argument("--set", dest="overrides", action="append", default=["reward.max_seq_len=64"],
-                        metavar="KEY=VALUE", help="config overrides for both servers (default: reward.max_seq_len=64, "
-                                                   "the end of an HH dialogue and its answer, so a run fits a few "
-                                                   "minutes of 2 cores)")
+    parser.add_argument("--set", dest="overrides", action="append",
+                        default=["reward.max_seq_len=64", "reward.max_response_len=32"],
+                        metavar="KEY=VALUE", help="config overrides for both servers (default: reward.max_seq_len=64 "
+                                                   "and reward.max_response_len=32, the end of an HH dialogue and "
+                                                   "its answer, so a run fits a few minutes of 2 cores)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
