@@ -12,13 +12,14 @@ import sys
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from stages import tracking
-from stages.config import REPO_ROOT
-from stages.launch import free_port
+from stages.config import REPO_ROOT, load_config
+from stages.launch import StageLaunchError, execute, free_port
 from stages import checkpoint
 from stages.ppo.external_scores import RewardServerUnavailable
 
@@ -137,3 +138,49 @@ def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_
     finally:
         server.kill()
         server.wait()
+
+
+class _AnswersThenFails(BaseHTTPRequestHandler):
+    """A reward server that scores its first `answered` requests (0 for every row) and answers 500
+    to every one after them."""
+
+    answered = 3
+    seen = 0
+
+    def do_POST(self):
+        rows = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
+        type(self).seen += 1
+        ok = type(self).seen <= self.answered
+        body = json.dumps({"scores": [0.0] * rows} if ok else {"error": "down"}).encode()
+        self.send_response(200 if ok else 500)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_two_deepspeed_ranks_stop_together_when_one_ranks_reward_request_fails(full_run):
+    """Two ranks each score their share: the baseline evaluation (one request per rank) and one
+    rank's first rollout are answered, the other rank's first rollout is refused. Both ranks stop
+    at the same iteration boundary, write one checkpoint together and end with the URL named; a
+    rank stopping alone would leave the other waiting in its next collective."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _AnswersThenFails)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    cfg = load_config("tiny", ["ppo.launch.world_size=2", "ppo.launch.deepspeed=zero2", "ppo.iterations=2",
+                               "ppo.rollout_batch_size=8", "ppo.minibatch_size=4", f"ppo.reward={url}",
+                               "ppo.reward_retries=0", "ppo.eval_every=2"])
+    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
+    try:
+        with pytest.raises(StageLaunchError) as stopped:
+            execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+    finally:
+        pipeline.finish("FAILED")
+        server.shutdown()
+    assert _AnswersThenFails.seen == 4
+    message = str(stopped.value)
+    assert f"stage ppo stopped after iteration 0: reward server {url}" in message
+    assert "iter-000000" in message

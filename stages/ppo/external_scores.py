@@ -31,6 +31,9 @@ import urllib.request
 
 import torch
 
+from stages.dist import Dist
+
+
 class RewardSourceError(RuntimeError):
     """A reward source that cannot be loaded or that answered wrongly: the message says which."""
 
@@ -135,13 +138,26 @@ class TextRewardSource:
                            auth_env=self.auth_env)
 
 
-def text_scores(ppo, tokenizer):
-    """PPO's score_fn for a text source (`python:` or `http(s)://`)."""
+def text_scores(ppo, tokenizer, dist: Dist | None = None):
+    """PPO's score_fn for a text source (`python:` or `http(s)://`). Each rank sends its own share;
+    on several ranks they agree after every request whether one rank's server was unavailable, so
+    all stop at the same iteration boundary (one rank stopping alone would leave the others in
+    their next collective)."""
     source = TextRewardSource(ppo.reward, timeout_s=ppo.reward_timeout_s, retries=ppo.reward_retries,
                               auth_env=ppo.reward_auth_env)
+    dist = dist or Dist()
 
     def score(sequences, attention_mask, prompt_width, response_mask):
         prompts, responses, ended = batch_texts(tokenizer, sequences, attention_mask, prompt_width, response_mask)
-        return torch.tensor(source.scores(prompts, responses, ended), dtype=torch.float32, device=sequences.device)
+        scores, unavailable = None, None
+        try:
+            scores = source.scores(prompts, responses, ended)
+        except RewardServerUnavailable as err:
+            unavailable = err
+        if dist.distributed and dist.all_reduce_sum([float(unavailable is not None)])[0] and unavailable is None:
+            unavailable = RewardServerUnavailable(f"reward server {ppo.reward}: another rank's request failed")
+        if unavailable is not None:
+            raise unavailable
+        return torch.tensor(scores, dtype=torch.float32, device=sequences.device)
 
     return score

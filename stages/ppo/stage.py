@@ -70,7 +70,7 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
     if cfg.ppo.reward == "rm":
         score_fn = reward_model_scores(reward_model)
     elif is_text_reward_source(cfg.ppo.reward):
-        score_fn = text_scores(cfg.ppo, tokenizer)
+        score_fn = text_scores(cfg.ppo, tokenizer, dist)
     else:
         score_fn = rule_scores(tokenizer, cfg.ppo.reward)
     return tokenizer, actor, reference, reward_model, critic, score_fn
