@@ -102,7 +102,8 @@ step() {
 }
 
 step tests 90 '(passed|failed|error)' \
-    $PYTHON -m pytest -q -p no:cacheprovider tests/test_static_sampling.py tests/test_deepspeed_cuda.py
+    $PYTHON -m pytest -q -p no:cacheprovider tests/test_static_sampling.py tests/test_deepspeed_cuda.py \
+    tests/test_reward_server.py::test_on_a_gpu_the_server_scores_as_on_the_cpu
 step roofline_demo 40 '^(roofline|batch)' \
     $PYTHON bench/roofline.py --device cuda --shape demo --batches 16 64 256 --new-tokens 64
 step roofline_1b 60 '^(roofline|batch)' \

@@ -918,6 +918,10 @@ class RewardServerConfig(_Section):
     everything a client controls. Every limit answers a clear 4xx (or a 503 with Retry-After when the
     server is busy) instead of holding a thread, memory or the model."""
 
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model scores: auto = the GPU when there is one. On a GPU the weights take "
+                            "model.precision; on a CPU fp32, so a row's score does not depend on the rows it shares "
+                            "a forward with. ours.")
     token_budget: int = Field(16384, ge=1, description="Padded tokens per forward: rows × longest row. ours: the "
                                                        "reward stage's token_budget (dynamic batching, paper §4.2), "
                                                        "here over single rows instead of pairs.")

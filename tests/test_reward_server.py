@@ -26,7 +26,7 @@ import torch
 from stages.config import REPO_ROOT, RewardServerConfig, load_config
 from stages.launch import free_port
 from stages.reward.model import reward_model_from_lm, save_reward_model
-from stages.reward.serve import RewardScorer, make_app, make_server
+from stages.reward.serve import RewardScorer, ScoringQueue, ServerMetrics, make_app, make_server
 from stages.ppo.external_scores import RewardSourceError, post_scores
 from stages.loading import load_tokenizer
 
@@ -195,6 +195,43 @@ def test_concurrent_requests_share_forwards_and_score_as_alone(served):
     assert _metric(served.url, "reward_batch_rows_count") - before <= 2
     assert _metric(served.url, "reward_batch_rows_bucket", le="4.0") < _metric(served.url, "reward_batch_rows_bucket",
                                                                                le="8.0")
+
+
+def test_without_a_gpu_auto_scores_on_the_cpu_in_fp32(served):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: test_on_a_gpu_the_server_scores_as_on_the_cpu covers it")
+    assert served.scorer.device == "cpu" and served.scorer.model.score_head.weight.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_server_scores_as_on_the_cpu(rm_folder):
+    """`reward_server.device=auto` takes the GPU, in the model's precision (bf16 for `auto`); its
+    scores match the CPU server's within bf16's rounding."""
+    cfg = load_config("tiny")
+    prompts, responses, ended = _good_rows(6).values()
+    on_cpu = RewardScorer(rm_folder, cfg.model, cfg.reward.max_seq_len, RewardServerConfig(device="cpu"))
+    on_gpu = RewardScorer(rm_folder, cfg.model, cfg.reward.max_seq_len, RewardServerConfig())
+    assert on_gpu.device == "cuda" and on_gpu.model.score_head.weight.device.type == "cuda"
+    expected = on_cpu.scores(prompts, responses, ended)
+    assert on_gpu.scores(prompts, responses, ended) == pytest.approx(expected, rel=3e-2, abs=3e-2)
+
+
+def test_a_queue_longer_than_one_forward_is_scored_oldest_first_one_forward_at_a_time(served):
+    """A round is the oldest request and those behind it that fit one forward (rows × longest row
+    within token_budget), not the whole queue: with room for 4 rows of this length, requests of
+    2, 2 and 2 rows are scored as 2 + 2, then 2; a request larger than one forward goes alone."""
+    rows = [served.scorer.cut(served.scorer.encode(p, r, True)) for p, r in zip(*list(_good_rows(2).values())[:2])]
+    longest = max(len(ids) for ids in rows)
+    limits = RewardServerConfig(token_budget=4 * longest, max_wait_ms=0)
+    queue = ScoringQueue(served.scorer, limits, ServerMetrics())
+    first, second, third = (queue.submit(list(rows)) for _ in range(3))
+    big = queue.submit(rows * 3)
+    rounds = []
+    while queue.jobs:
+        rounds.append(queue._take())
+    assert [[len(job.rows) for job in taken] for taken in rounds] == [[2, 2], [2], [6]]
+    assert rounds[0][0].future is first and rounds[0][1].future is second and rounds[1][0].future is third
+    assert rounds[2][0].future is big
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_client_honours_it(served):

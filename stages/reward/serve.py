@@ -9,9 +9,10 @@ EOS appended when `ended` says the response finished; the score is read at the l
 The HTTP side is FastAPI on uvicorn (the stack Prefect and MLflow already run on): POST (any path)
 scores a batch, GET /health, GET /metrics (Prometheus text, prometheus_client). What is our own is
 the scoring worker, because neither uvicorn nor MLflow's scoring server (one `predict` per
-request) batches across requests: requests are queued, and one thread takes what is queued
-(waiting `max_wait_ms` for company), cuts the rows into token-budget batches the way the reward
-stage cuts its pairs (stages/reward/batching.py) and runs one forward at a time. A request that
+request) batches across requests: requests are queued, and one thread takes the oldest and those
+behind it that fit one forward of `token_budget` padded tokens (waiting `max_wait_ms` for company),
+cutting a request too large for one forward the way the reward stage cuts its pairs
+(stages/reward/batching.py), and runs one forward at a time. A request that
 would overfill the queue is answered 503 with Retry-After. Every limit a client can hit is in
 `RewardServerConfig` (stages/config.py), with the 4xx it gets; uvicorn itself has no deadline for a
 request's headers, so the h11 protocol here adds one (`_HeaderDeadlineProtocol`).
@@ -40,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stages import loading
+from stages import loading, precision
 from stages.config import ModelConfig, RewardServerConfig
 from stages.data import render_response
 from stages.reward.batching import row_batches
@@ -54,9 +55,13 @@ class RewardScorer:
 
     def __init__(self, folder: Path, model_cfg: ModelConfig, max_seq_len: int,
                  batching: RewardServerConfig | None = None):
-        self.tokenizer = loading.load_tokenizer(str(folder), model_cfg)
-        self.model = load_reward_model(folder, model_cfg).eval()
         self.max_seq_len, self.batching = max_seq_len, batching or RewardServerConfig()
+        self.device = self.batching.device
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        weights = precision.dtype(precision.resolve(model_cfg.precision, self.device)) if self.device == "cuda" else None
+        self.tokenizer = loading.load_tokenizer(str(folder), model_cfg)
+        self.model = load_reward_model(folder, model_cfg, weights).to(self.device).eval()
         self.lock = threading.Lock()  # one forward at a time: torch already uses every core
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer's settings are not safe to share across threads
 
@@ -79,7 +84,8 @@ class RewardScorer:
                                  self.batching.max_batch_rows):
             padded = collate([(encoded[i], encoded[i]) for i in batch], self.tokenizer.pad_token_id)
             with self.lock:
-                rewards, _ = self.model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"])
+                rewards, _ = self.model(input_ids=padded["input_ids"].to(self.device),
+                                        attention_mask=padded["attention_mask"].to(self.device))
             for i, reward in zip(batch, rewards.tolist()):
                 scores[i] = reward
             batch_rows.append(len(batch))
@@ -101,8 +107,8 @@ class _Job:
 class ScoringQueue:
     """Requests' rows waiting for the one scoring thread. `submit` refuses (returns None) what would
     take the queue past `queue_rows`, unless the queue is empty (a request within max_prompts is
-    always taken by an idle server); the thread takes every queued request, after waiting up to
-    `max_wait_ms` for more, up to `max_batch_rows` rows (at least one request), and scores them
+    always taken by an idle server); the thread takes the oldest request and those behind it that
+    fit one forward with it (after waiting up to `max_wait_ms` for them), and scores them
     together."""
 
     def __init__(self, scorer: RewardScorer, limits: RewardServerConfig, metrics: ServerMetrics):
@@ -137,20 +143,27 @@ class ScoringQueue:
             self.changed.notify_all()
             return job.future
 
+    def _fits(self, jobs) -> bool:
+        """Whether these requests' rows fit one forward: `max_batch_rows` rows, rows × longest row
+        within `token_budget`."""
+        rows = [len(ids) for job in jobs for ids in job.rows]
+        return len(rows) <= self.limits.max_batch_rows and len(rows) * max(rows, default=0) <= self.limits.token_budget
+
     def _take(self) -> list[_Job] | None:
+        """The next round: the oldest request and the requests queued behind it that fit one forward
+        with it (waiting up to max_wait_ms for them). A round is one forward, not the whole queue, so
+        the oldest requests are answered first instead of all waiting for the last; a request larger
+        than one forward goes alone, in token-budget batches."""
         with self.changed:
             self.changed.wait_for(lambda: self.jobs or self.closed)
             if not self.jobs:
                 return None
             deadline = time.monotonic() + self.limits.max_wait_ms / 1000
-            while self.limits.batch_across_requests and not self.closed and sum(len(j.rows) for j in self.jobs) < self.limits.max_batch_rows:
+            while self.limits.batch_across_requests and not self.closed and self._fits(self.jobs):
                 if not self.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
                     break
             taken = [self.jobs.popleft()]
-            rows = len(taken[0].rows)
-            while (self.limits.batch_across_requests and self.jobs
-                   and rows + len(self.jobs[0].rows) <= self.limits.max_batch_rows):
-                rows += len(self.jobs[0].rows)
+            while self.limits.batch_across_requests and self.jobs and self._fits([*taken, self.jobs[0]]):
                 taken.append(self.jobs.popleft())
             return taken
 
