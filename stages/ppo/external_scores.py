@@ -154,10 +154,9 @@ def text_scores(ppo, tokenizer, dist: Dist | None = None):
             scores = source.scores(prompts, responses, ended)
         except RewardServerUnavailable as err:
             unavailable = err
-        if dist.distributed and dist.all_reduce_sum([float(unavailable is not None)])[0] and unavailable is None:
-            unavailable = RewardServerUnavailable(f"reward server {ppo.reward}: another rank's request failed")
-        if unavailable is not None:
-            raise unavailable
+        failed_ranks = dist.all_reduce_sum([float(unavailable is not None)])[0]
+        if failed_ranks:
+            raise unavailable or RewardServerUnavailable(f"reward server {ppo.reward}: another rank's request failed")
         return torch.tensor(scores, dtype=torch.float32, device=sequences.device)
 
     return score
