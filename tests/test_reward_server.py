@@ -220,7 +220,8 @@ def test_a_queue_longer_than_one_forward_is_scored_oldest_first_one_forward_at_a
     """A round is the oldest request and those behind it that fit one forward (rows × longest row
     within token_budget), not the whole queue: with room for 4 rows of this length, requests of
     2, 2 and 2 rows are scored as 2 + 2, then 2; a request larger than one forward goes alone."""
-    rows = [served.scorer.cut(served.scorer.encode(p, r, True)) for p, r in zip(*list(_good_rows(2).values())[:2])]
+    two = _good_rows(2)
+    rows = [served.scorer.cut(served.scorer.encode(p, r, True)) for p, r in zip(two["prompts"], two["responses"])]
     longest = max(len(ids) for ids in rows)
     limits = RewardServerConfig(token_budget=4 * longest, max_wait_ms=0)
     queue = ScoringQueue(served.scorer, limits, ServerMetrics())
