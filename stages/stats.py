@@ -110,3 +110,30 @@ def correlation(x, y) -> float:
     if len(x) < 2 or x.std() == 0 or y.std() == 0:
         return 0.0
     return float(np.corrcoef(x, y)[0, 1])
+
+
+def length_controlled(values, length_diff, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> Interval:
+    """The per-prompt difference `values` (a score delta policy − SFT, or a verdict +1/0/−1)
+    regressed on the per-prompt response-length difference (policy − SFT tokens): the intercept,
+    the difference at equal lengths, with its percentile-bootstrap interval over the prompts.
+    A judge that prefers shorter (or longer) answers scores a policy that only changed its length
+    as better or worse; the intercept is what is left. Where a resample's length differences are
+    constant the slope is not identified and counts as 0 (the intercept is that resample's mean)."""
+    y, x = np.asarray(values, dtype=float), np.asarray(length_diff, dtype=float)
+    if y.ndim != 1 or len(y) == 0 or y.shape != x.shape:
+        raise ValueError(f"length_controlled needs one value and one length difference per prompt: {y.shape} vs {x.shape}")
+    if not (np.isfinite(y).all() and np.isfinite(x).all()):
+        raise ValueError("length_controlled: a per-prompt value or length difference is NaN or infinite")
+
+    def intercepts(ys: np.ndarray, xs: np.ndarray) -> np.ndarray:  # rows: samples of the prompts
+        x_mean, y_mean = xs.mean(axis=-1, keepdims=True), ys.mean(axis=-1, keepdims=True)
+        var = ((xs - x_mean) ** 2).mean(axis=-1)
+        cov = ((xs - x_mean) * (ys - y_mean)).mean(axis=-1)
+        slope = np.divide(cov, var, out=np.zeros_like(cov), where=var > 1e-12 * (1 + x_mean[..., 0] ** 2))
+        return y_mean[..., 0] - slope * x_mean[..., 0]
+
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(y), size=(resamples, len(y)))
+    boot = intercepts(y[picks], x[picks])
+    low, high = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(intercepts(y[None], x[None])[0]), float(low), float(high), level, len(y))

@@ -74,3 +74,32 @@ def test_champion_needs_the_interval_not_the_point_estimate():
     assert text.startswith("no (judge reward_model: net win (win − lose)/n +0.125 [") and "lower bound not above 0" in text
     clear = stats.net_win(["win"] * 30 + ["lose"] * 4 + ["tie"] * 14)
     assert champion_decision("reward_model", clear, 0.0)[0] and not champion_decision("reward_model", clear, 0.9)[0]
+
+
+def test_length_controlled_delta_is_the_intercept_at_equal_lengths():
+    # Δ = 2 + 0.5 · Δlength exactly: the raw mean carries the length effect, the intercept is 2 in
+    # every resample (a line through the points is the line whatever points are drawn).
+    length_diff = np.array([-8.0, -4.0, 0.0, 2.0, 6.0, 10.0])
+    exact = stats.length_controlled(2.0 + 0.5 * length_diff, length_diff)
+    assert exact.estimate == pytest.approx(2.0) and (exact.low, exact.high) == pytest.approx((2.0, 2.0))
+    assert stats.paired_delta(2.0 + 0.5 * length_diff, np.zeros(6)).estimate == pytest.approx(2.5)  # mean Δlength 1
+
+
+def test_a_gain_that_is_only_a_length_effect_is_zero_once_length_controlled():
+    # A judge that prefers short answers (−0.1 per token) and a policy that answers 16 tokens
+    # shorter on average: a clear raw gain, nothing at equal lengths.
+    rng = np.random.default_rng(0)
+    length_diff = rng.normal(-16.0, 6.0, size=200)
+    delta = -0.1 * length_diff + rng.normal(0.0, 0.2, size=200)
+    raw, controlled = stats.paired_delta(delta, np.zeros(200)), stats.length_controlled(delta, length_diff)
+    assert raw.low > 1.0
+    assert controlled.low < 0 < controlled.high and abs(controlled.estimate) < 0.15
+
+
+def test_length_controlled_without_length_differences_is_the_mean_and_refuses_unpaired_input():
+    same_length = stats.length_controlled([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    assert same_length.estimate == pytest.approx(2.0) and same_length.low >= 1.0 and same_length.high <= 3.0
+    with pytest.raises(ValueError, match="one value and one length difference per prompt"):
+        stats.length_controlled([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        stats.length_controlled([1.0, float("nan")], [1.0, 2.0])
