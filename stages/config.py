@@ -791,6 +791,22 @@ class EvalConfig(_Section):
         0.0, description="The first judge that can judge decides: alias @champion on the policy version when the lower bound of "
                          "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
                          "point estimate above it is not enough: on a few dozen prompts it is often noise.")
+    judge_accuracy_gate: bool = Field(
+        True, description="A judge decides only where it can judge: the interval of its pairwise accuracy on "
+                          "labelled held-out pairs (a reward model's rlhf.heldout_accuracy tags, else "
+                          "`judge_control_pairs`) lies above 0.5. A judge at chance gives no win or loss (the verdict "
+                          "reads `cannot decide`) and never grants @champion: its net win, like the 35/1/12 of a "
+                          "demo RM at 0.594 [0.423, 0.745] on 32 pairs, is noise or its bias (shorter answers). "
+                          "Off: only to exercise the verdict's plumbing with judges known to be weak (tests, "
+                          "smoke runs); ours.")
+    judge_control_pairs: int = Field(
+        32, ge=0, description="Labelled pairs (the first N of the rm_eval split, chosen vs rejected) that each judge "
+                              "without a recorded held-out accuracy (chat judges, reward_source judges, a reward "
+                              "model without the reward stage's tags) judges in both orders before the policy: its "
+                              "accuracy (right verdicts / N, a tie or no verdict is not right) with a Wilson "
+                              "interval is what `judge_accuracy_gate` reads. 0: none, so such a judge cannot decide "
+                              "while the gate is on. Ours: 32, the demo's rm_eval size; each costs a chat judge two "
+                              "requests.")
     seed: int = Field(42, description="Seed of the sampling.")
     lm_eval_tasks: list[str] = Field(
         [], description="lm-eval: task, group or tag names (or a task YAML's path), each run on the SFT model and "

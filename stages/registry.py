@@ -130,14 +130,16 @@ for _stage in (
           outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
           contract={"policy": "policy_probe"}, resumes=True,
           # held out, before → after; the paired delta to SFT with its interval
-          headline=("eval/score", "eval/score_delta", "eval/kl", "eval/response_length", "eval/eos_rate")),
+          headline=("eval/score", "eval/score_delta", "eval/score_delta_lc", "eval/kl", "eval/response_length",
+                    "eval/eos_rate")),
     # eval reads `reward`: the lengths the score judge reads; `statistics`: the intervals the champion rests on;
     # `contracts.eval`: which judges can judge (the champion's judge is the first of them).
     Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval", "statistics", "contracts.eval"),
           inputs=("splits", "sft_model", "reward_model", "policy_model"),
           optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
           contract={"evaluation": "eval_probe", "judge": "eval_probe"},
-          headline=("eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate", "eval/judge/*/n",
-                    "eval/judge/*/net_win", "eval/ceval_*shot/overall/delta", "eval/lm_eval/*/delta")),
+          headline=("eval/judge/*/accuracy", "eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate",
+                    "eval/judge/*/n", "eval/judge/*/net_win", "eval/judge/*/net_win_lc", "eval/ceval_*shot/overall/delta",
+                    "eval/lm_eval/*/delta")),
 ):
     register(_stage)

@@ -259,6 +259,54 @@ def _judges_with_the_trained_against_rm(judges_param: str) -> set[str]:
     return {j["name"] for j in judges if j.get("kind") == "reward_model" and not j.get("model")}
 
 
+def _interval_text(metrics: dict[str, float], name: str) -> str | None:
+    """`+0.479 [+0.292, +0.646]` of a metric logged with its `_ci_low`/`_ci_high`; None where it is not."""
+    if not all(key in metrics for key in (name, f"{name}_ci_low", f"{name}_ci_high")):
+        return None
+    return f"{metrics[name]:+.3f} [{metrics[f'{name}_ci_low']:+.3f}, {metrics[f'{name}_ci_high']:+.3f}]"
+
+
+def _accuracy_text(metrics: dict[str, float], judge: str) -> str | None:
+    """`0.594 [0.423, 0.745] on 32 held-out pairs` (stages/evaluate/quality.py's words)."""
+    prefix = f"eval/judge/{judge}/accuracy"
+    if not all(key in metrics for key in (prefix, f"{prefix}_ci_low", f"{prefix}_ci_high", f"{prefix}_pairs")):
+        return None
+    return (f"{metrics[prefix]:.3f} [{metrics[f'{prefix}_ci_low']:.3f}, {metrics[f'{prefix}_ci_high']:.3f}] on "
+            f"{int(metrics[f'{prefix}_pairs'])} held-out pairs")
+
+
+def _cannot_decide(metrics: dict[str, float], judge: str) -> str:
+    accuracy = _accuracy_text(metrics, judge)
+    if accuracy is None:
+        return f"cannot decide: {judge} has no held-out accuracy"
+    below = metrics[f"eval/judge/{judge}/accuracy_ci_high"] < 0.5
+    return f"cannot decide: {judge}'s accuracy {accuracy} {'lies below' if below else 'includes'} chance"
+
+
+def _judge_numbers(metrics: dict[str, float], judge: str) -> str:
+    """The judge's accuracy, its net win and score delta each beside its length-controlled value,
+    and its length correlation; the length-controlled value first where |corr(score, length)| > 0.3
+    (a judge that goes by length scores a policy that only changed its length)."""
+    prefix = f"eval/judge/{judge}/"
+    accuracy = _accuracy_text(metrics, judge)
+    parts = [f"accuracy {accuracy}" if accuracy else "no held-out accuracy"]
+    corr = metrics.get(f"{prefix}length_corr")
+    by_length = corr is not None and abs(corr) > 0.3
+    for name, label in (("net_win", "net win"), ("score_delta", "score Δ")):
+        raw, controlled = _interval_text(metrics, prefix + name), _interval_text(metrics, f"{prefix}{name}_lc")
+        if raw is None:
+            continue
+        if controlled is None:
+            parts.append(f"{label} {raw}")
+        elif by_length:
+            parts.append(f"length-controlled {label} {controlled} (raw {raw})")
+        else:
+            parts.append(f"{label} {raw} (length-controlled {controlled})")
+    if corr is not None:
+        parts.append(f"corr(score, length) {corr:+.2f}" + (", so the length-controlled number leads" if by_length else ""))
+    return f"  {judge} judge: " + "; ".join(parts) + "."
+
+
 def _verdict(views: dict[str, StageView]) -> list[str]:
     evaluation = views.get("eval")
     if evaluation is None or "policy" not in evaluation.run.data.params.get("eval.policy_model", "policy"):
@@ -267,14 +315,20 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
     judges = sorted({name.split("/")[2] for name in metrics if name.startswith("eval/judge/")})
     if not judges:
         return []
-    judge = judges[0] if "rlhf.champion" not in tags else next((j for j in judges if f"judge {j}:" in tags["rlhf.champion"]), judges[0])
+    champion = tags.get("rlhf.champion", "")
+    judge = tags.get("rlhf.champion_judge") or next((j for j in judges if f"judge {j}:" in champion), judges[0])
     n = int(metrics[f"eval/judge/{judge}/n"])
     counts = " / ".join(f"{verdict} {round(metrics[f'eval/judge/{judge}/{verdict}_rate'] * n)}"
                         for verdict in ("win", "tie", "lose"))
-    beat = tags.get("rlhf.champion", "").startswith("yes")
-    lines = [f"Verdict: the policy {'beat' if beat else 'did not beat'} the SFT model ({judge} judge on {n} held-out "
-             f"prompts: {counts}; {tags.get('rlhf.champion', '')})."]
-    if n < 64 and not beat:
+    beat, undecided = champion.startswith("yes"), champion.startswith("no (cannot decide: ")
+    if undecided:
+        lines = [f"Verdict: {_cannot_decide(metrics, judge)} ({judge} judge on {n} held-out prompts: {counts}; a judge "
+                 f"at chance gives no win or loss; {champion})."]
+    else:
+        lines = [f"Verdict: the policy {'beat' if beat else 'did not beat'} the SFT model ({judge} judge on {n} "
+                 f"held-out prompts: {counts}; {champion})."]
+    lines.append(_judge_numbers(metrics, judge))
+    if n < 64 and not beat and not undecided:
         lines.append(f"  {n} prompts cannot separate a small improvement from noise; a run this small is not "
                      f"expected to improve the model measurably (use more eval.heldout_prompts and PPO iterations).")
     if beat and _judges_with_the_trained_against_rm(evaluation.run.data.params.get("eval.judges", "[]")) & {judge}:

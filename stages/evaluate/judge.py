@@ -63,6 +63,9 @@ class Pair:
     # it so); a given text, such as a dataset answer, is whole.
     policy_ended: bool = True
     sft_ended: bool = True
+    # Response lengths in tokens, for the length-controlled numbers (None: not measured).
+    policy_tokens: int | None = None
+    sft_tokens: int | None = None
 
 
 @dataclass
@@ -271,7 +274,8 @@ def judge_pairs(judge, pairs: list[Pair]) -> pd.DataFrame:
                      "retried": one.retried or two.retried, "reply_policy_first": one.reply,
                      "reply_policy_second": two.reply,
                      "score_policy": one.scores[0] if one.scores else None,
-                     "score_sft": one.scores[1] if one.scores else None})
+                     "score_sft": one.scores[1] if one.scores else None,
+                     "policy_tokens": pair.policy_tokens, "sft_tokens": pair.sft_tokens})
     return pd.DataFrame(rows)
 
 

@@ -145,28 +145,67 @@ def ceval_chart(table: pd.DataFrame, path: Path) -> None:
     figure.savefig(path)
 
 
+def _length_diff(judged: pd.DataFrame) -> pd.Series | None:
+    """Per pair: policy − SFT response tokens; None where the pairs carry no lengths."""
+    if not {"policy_tokens", "sft_tokens"} <= set(judged.columns) or judged[["policy_tokens", "sft_tokens"]].isna().any().any():
+        return None
+    return judged["policy_tokens"].astype(float) - judged["sft_tokens"].astype(float)
+
+
 def judge_intervals(judged: pd.DataFrame, statistics: StatisticsConfig) -> dict[str, Interval]:
     """One judge's pairs: `net_win`, (win − lose) / n with its interval, and for a score judge
-    `score_delta`, the mean paired r(x, y_policy) − r(x, y_SFT) with its interval."""
+    `score_delta`, the mean paired r(x, y_policy) − r(x, y_SFT) with its interval; where the pairs
+    carry their lengths, each also length-controlled (`net_win_lc`, `score_delta_lc`: the
+    intercept of the per-prompt value regressed on policy − SFT tokens, `stats.length_controlled`)."""
     options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
     intervals = {"net_win": stats.net_win(judged["verdict"], **options)}
+    length_diff = _length_diff(judged)
+    if length_diff is not None and len(judged):
+        intervals["net_win_lc"] = stats.length_controlled(judged["verdict"].map(stats.VERDICT_VALUE), length_diff,
+                                                          **options)
     scored = judged.dropna(subset=["score_policy", "score_sft"]) if "score_policy" in judged else judged.iloc[:0]
     if len(scored):
         intervals["score_delta"] = stats.paired_delta(scored["score_policy"], scored["score_sft"], **options)
+        scored_diff = _length_diff(scored)
+        if scored_diff is not None:
+            intervals["score_delta_lc"] = stats.length_controlled(scored["score_policy"] - scored["score_sft"],
+                                                                  scored_diff, **options)
     return intervals
 
 
-def judge_table(judged: pd.DataFrame, statistics: StatisticsConfig) -> pd.DataFrame:
-    """Per (split, judge): win/tie/lose/invalid counts, the net win with its confidence interval, and
-    for score judges the mean paired score delta with its interval."""
+def length_corr(judged: pd.DataFrame) -> float | None:
+    """How much a judge goes by length: for a score judge Pearson's r of its scores and the answers'
+    lengths (both models' answers), for a chat judge of its verdicts (+1/0/−1) and policy − SFT
+    tokens; None where the pairs carry no lengths."""
+    length_diff = _length_diff(judged)
+    if length_diff is None or not len(judged):
+        return None
+    scored = judged.dropna(subset=["score_policy", "score_sft"]) if "score_policy" in judged else judged.iloc[:0]
+    if len(scored):
+        return stats.correlation(pd.concat([scored["score_policy"], scored["score_sft"]]),
+                                 pd.concat([scored["policy_tokens"], scored["sft_tokens"]]).astype(float))
+    return stats.correlation(judged["verdict"].map(stats.VERDICT_VALUE), length_diff)
+
+
+def judge_table(judged: pd.DataFrame, statistics: StatisticsConfig, qualities: dict | None = None) -> pd.DataFrame:
+    """Per (split, judge): its accuracy on labelled held-out pairs (`qualities`: judge → JudgeQuality)
+    and whether it can judge, win/tie/lose/invalid counts, the net win with its confidence
+    interval, for score judges the mean paired score delta with its interval, each also
+    length-controlled, and the judge's length correlation."""
     rows = []
     for (split, judge), group in judged.groupby(["split", "judge"], sort=False):
         counts = group["verdict"].value_counts()
-        row = {"split": split, "judge": judge, **{v: int(counts.get(v, 0)) for v in ("win", "tie", "lose", "invalid")},
-               "n": len(group)}
+        row = {"split": split, "judge": judge}
+        if qualities and judge in qualities:
+            row.update({"accuracy": qualities[judge].accuracy_text(), "can judge": "yes" if qualities[judge].can_judge
+                        else "no"})
+        row.update({**{v: int(counts.get(v, 0)) for v in ("win", "tie", "lose", "invalid")}, "n": len(group)})
         for name, interval in judge_intervals(group, statistics).items():
             row.update({name: interval.estimate,
                         f"{name} {interval.level:.0%} CI": f"[{interval.low:+.3f}, {interval.high:+.3f}]"})
+        corr = length_corr(group)
+        if corr is not None:
+            row["length_corr"] = corr
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -212,7 +251,12 @@ def markdown(*, run_id: str, models: dict[str, str], ceval: pd.DataFrame | None,
     if judges is not None:
         lines += ["## Policy vs SFT, judged in both orders (a changed mind is a tie)", "",
                   "net win = (win − lose) / n; score delta = mean paired r(x, y_policy) − r(x, y_SFT); CI: percentile "
-                  "bootstrap over the prompts, paired (stages/stats.py).", "", _markdown_table(judges), "",
+                  "bootstrap over the prompts, paired (stages/stats.py). _lc: length-controlled, the intercept of "
+                  "the per-prompt value regressed on policy − SFT response tokens (the difference at equal "
+                  "lengths); length_corr: the judge's correlation of score (a chat judge's verdict) and length. "
+                  "accuracy: the judge's on labelled held-out pairs (chosen vs rejected) with its Wilson "
+                  "interval; a judge whose interval reaches 0.5 cannot judge (eval.judge_accuracy_gate).", "",
+                  _markdown_table(judges), "",
                   "![win/tie/lose](judges.png)", ""]
     if ceval is not None:
         summary = ceval[ceval["scope"] != "subject"].drop(columns="scope")

@@ -3,7 +3,9 @@
 sampled responses to held-out eval prompts judged pairwise by each configured judge, the report
 and probe frame in the stage's run, and the registry alias @champion on the policy version when
 the lower bound of the net-win confidence interval of the first judge that can judge (its invalid
-verdicts within `contracts.eval.max_invalid_fraction`) is above `eval.champion_min_lower_bound`. A run without a policy
+verdicts within `contracts.eval.max_invalid_fraction`, and with `eval.judge_accuracy_gate` its
+accuracy on labelled held-out pairs above chance: stages/evaluate/quality.py) is above
+`eval.champion_min_lower_bound`. A run without a policy
 (only SFT ran) gets C-Eval (and the lm-eval tasks) of the SFT model alone."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from stages import interrupt, loading, precision, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
-from stages.evaluate import ceval, harness, report
+from stages.evaluate import ceval, harness, quality, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
 from stages.launch import Dist
@@ -159,32 +161,65 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
             stop_point(f"before {name} answered the eval prompts")
             t = time.perf_counter()
             responses[name], responses[f"{name}_ended"] = respond(model, tokenizer, rows, cfg, device)
+            # Each answer's length in tokens (the SFT tokenizer's, which both models share): the
+            # length-controlled numbers regress on it.
+            responses[f"{name}_tokens"] = [len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                                           for text in responses[name]]
             print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
     return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds, lm_eval
 
 
+def recorded_quality(spec, inputs: dict, level: float) -> quality.JudgeQuality | None:
+    """A reward-model judge's held-out accuracy as the reward stage recorded it on the registered
+    version it reads (`models:/name/version` or `models:/name@alias`); None for any other judge or model."""
+    uri = spec.model if spec.model is not None else inputs.get("reward_model")
+    if spec.kind != "reward_model" or not uri or not uri.startswith("models:/"):
+        return None
+    ref = uri.removeprefix("models:/").rstrip("/")
+    client = tracking.client()
+    if "@" in ref:
+        version = client.get_model_version_by_alias(*ref.split("@"))
+    elif "/" in ref:
+        version = client.get_model_version(*ref.split("/"))
+    else:
+        return None  # a logged model, not a registered version: no reward-stage tags
+    return quality.recorded(spec.name, version.tags, level)
+
+
 def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
-              stop_point=lambda where: None) -> pd.DataFrame:
-    """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair."""
-    judged = []
+              stop_point=lambda where: None) -> tuple[pd.DataFrame, dict[str, quality.JudgeQuality]]:
+    """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair;
+    and each judge's accuracy on labelled held-out pairs (recorded, else measured on the control pairs)."""
+    judged, qualities = [], {}
+    control = quality.control_pairs(Path(inputs["splits_dir"]), cfg.eval.judge_control_pairs)
     for spec in cfg.eval.judges:
         stop_point(f"before judge {spec.name}")
         t = time.perf_counter()
         judge = make_judge(spec, cfg, inputs, device)
+        qualities[spec.name] = (recorded_quality(spec, inputs, cfg.statistics.ci_level)
+                                or quality.measured(judge, control, cfg.statistics.ci_level))
         frame = judge_pairs(judge, pairs[: spec.max_prompts] if spec.max_prompts else pairs)
         judged.append(frame.assign(split=cfg.eval.split, judge_kind=spec.kind))
-        print(f"eval: judge {spec.name}: {frame['verdict'].value_counts().to_dict()} ({time.perf_counter() - t:.0f} s)")
-    return pd.concat(judged, ignore_index=True)
+        print(f"eval: judge {spec.name}: accuracy {qualities[spec.name].accuracy_text()}; "
+              f"{frame['verdict'].value_counts().to_dict()} ({time.perf_counter() - t:.0f} s)")
+    return pd.concat(judged, ignore_index=True), qualities
 
 
-def deciding_judge(cfg: PipelineConfig, metrics: dict[str, float]) -> tuple[str | None, list[str]]:
-    """(the judge whose net win decides the champion, the judges that could not judge): the first
-    judge whose invalid verdicts stay within `contracts.eval.max_invalid_fraction` (the `judge`
-    contract's rule, which names the others)."""
+def deciding_judge(cfg: PipelineConfig, metrics: dict[str, float],
+                   qualities: dict[str, quality.JudgeQuality] | None = None) -> tuple[str | None, list[str]]:
+    """(the judge whose net win decides the champion, why each other judge could not judge): the
+    first judge whose invalid verdicts stay within `contracts.eval.max_invalid_fraction` (the
+    `judge` contract's rule, which names the others) and, with `eval.judge_accuracy_gate`, whose
+    accuracy on labelled held-out pairs lies above chance."""
     limit = cfg.contracts.eval.max_invalid_fraction
-    usable = [j.name for j in cfg.eval.judges if metrics.get(f"eval/judge/{j.name}/invalid_rate", 1.0) <= limit]
-    unusable = [f"judge {j.name}" for j in cfg.eval.judges if j.name not in usable]
-    return (usable[0] if usable else None), unusable
+    reasons = {}
+    for j in cfg.eval.judges:
+        if metrics.get(f"eval/judge/{j.name}/invalid_rate", 1.0) > limit:
+            reasons[j.name] = f"judge {j.name}"
+        elif cfg.eval.judge_accuracy_gate and qualities is not None and not qualities[j.name].can_judge:
+            reasons[j.name] = qualities[j.name].cannot_decide()
+    usable = [j.name for j in cfg.eval.judges if j.name not in reasons]
+    return (usable[0] if usable else None), list(reasons.values())
 
 
 def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> tuple[bool, str]:
@@ -194,6 +229,39 @@ def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> 
     reason = (f"judge {judge}: net win (win − lose)/n {net_win} at {net_win.level:.0%} confidence on {net_win.n} "
               f"prompts; {'lower bound above' if won else 'lower bound not above'} {min_lower_bound:g}")
     return won, f"{'yes' if won else 'no'} ({reason})"
+
+
+def judge_verdicts(cfg: PipelineConfig, judged: pd.DataFrame, qualities: dict[str, quality.JudgeQuality]
+                   ) -> tuple[dict[str, float], bool, str, str]:
+    """(each judge's metrics, whether the policy becomes @champion, the sentence that says why, the
+    judge the verdict rests on). A judge that cannot judge gives no win or loss: with none left the
+    verdict is `cannot decide` and names the first judge's accuracy."""
+    metrics: dict[str, float] = {}
+    intervals = {}
+    for spec in cfg.eval.judges:
+        own, prefix = judged[judged["judge"] == spec.name], f"eval/judge/{spec.name}"
+        metrics.update({f"{prefix}/{key}": value for key, value in tally(own).items()})
+        metrics.update(qualities[spec.name].metrics(prefix))
+        intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
+        for name, interval in intervals[spec.name].items():
+            metrics.update(interval.metrics(f"{prefix}/{name}"))
+        corr = report.length_corr(own)
+        if corr is not None:
+            metrics[f"{prefix}/length_corr"] = corr
+    decider, unusable = deciding_judge(cfg, metrics, qualities)
+    if decider is not None:
+        won, champion = champion_decision(decider, intervals[decider]["net_win"], cfg.eval.champion_min_lower_bound)
+        if not cfg.eval.judge_accuracy_gate:
+            champion += f"; accuracy gate off (eval.judge_accuracy_gate), judge accuracy {qualities[decider].accuracy_text()}"
+        if unusable:
+            champion += f"; {', '.join(unusable)} could not judge"
+        return metrics, won, champion, decider
+    undecided = [r for r in unusable if r.startswith("cannot decide: ")]
+    if undecided:
+        first = next(j.name for j in cfg.eval.judges if any(r.startswith(f"cannot decide: {j.name}") for r in undecided))
+        others = [r for r in unusable if r != undecided[0]]
+        return metrics, False, f"no ({undecided[0]}" + (f"; {', '.join(others)} could not judge" if others else "") + ")", first
+    return metrics, False, f"no (no judge could judge: {', '.join(unusable)})", cfg.eval.judges[0].name
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
@@ -217,10 +285,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
                                                                   stop_point, tasks)
     judged = pd.DataFrame()
     if judging:
-        pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended)
-                 for r, p, s, p_ended, s_ended in zip(rows, responses["policy"], responses["sft"],
-                                                      responses["policy_ended"], responses["sft_ended"])]
-        judged = judge_all(cfg, inputs, pairs, dist.device, stop_point)
+        pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
+                      sft_tokens=s_tokens)
+                 for r, p, s, p_ended, s_ended, p_tokens, s_tokens in zip(
+                     rows, responses["policy"], responses["sft"], responses["policy_ended"], responses["sft_ended"],
+                     responses["policy_tokens"], responses["sft_tokens"])]
+        judged, qualities = judge_all(cfg, inputs, pairs, dist.device, stop_point)
 
     # Metrics and the champion decision.
     metrics: dict[str, float] = {}
@@ -235,30 +305,18 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     if lm_eval:
         lm_eval_table = report.lm_eval_table({name: harness.scores(results) for name, results in lm_eval.items()})
         metrics.update(report.lm_eval_metrics(lm_eval_table))
-    judge_table, champion = None, "no policy"
+    judge_table, champion, tags = None, "no policy", {}
     if len(judged):
-        judge_table = report.judge_table(judged, cfg.statistics)
-        intervals = {}
-        for spec in ev.judges:
-            own = judged[judged["judge"] == spec.name]
-            for key, value in tally(own).items():
-                metrics[f"eval/judge/{spec.name}/{key}"] = value
-            intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
-            for name, interval in intervals[spec.name].items():
-                metrics.update(interval.metrics(f"eval/judge/{spec.name}/{name}"))
-        decider, unusable = deciding_judge(cfg, metrics)
-        if decider is None:
-            won, champion = False, f"no (no judge could judge: {', '.join(unusable)})"
-        else:
-            won, champion = champion_decision(decider, intervals[decider]["net_win"], ev.champion_min_lower_bound)
-            if unusable:
-                champion += f"; {', '.join(unusable)} could not judge"
+        judge_table = report.judge_table(judged, cfg.statistics, qualities)
+        judge_metrics, won, champion, verdict_judge = judge_verdicts(cfg, judged, qualities)
+        metrics.update(judge_metrics)
         metrics["eval/champion"] = float(won)
+        tags["rlhf.champion_judge"] = verdict_judge
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
-    tracker.set_tags({"rlhf.champion": champion})
+    tracker.set_tags({"rlhf.champion": champion, **tags})
 
     # The report, its tables and plots, and the contract's probe frame.
     out = tracker.workdir / "report"

@@ -155,7 +155,8 @@ def evaluate(trainer: PPOTrainer, prompts: list[list[int]], rows: list[int], gol
 
 def paired_deltas(frame: pd.DataFrame, baseline: pd.DataFrame, statistics: StatisticsConfig) -> dict[str, float]:
     """The held-out evaluation against the SFT policy's responses to the same prompts (the baseline
-    evaluation): mean paired deltas of score, length, perplexity and EOS, each with its interval."""
+    evaluation): mean paired deltas of score, length, perplexity and EOS, each with its interval;
+    the score's (and gold score's) also length-controlled (`_delta_lc`, `stats.length_controlled`)."""
     options = {"level": statistics.ci_level, "resamples": statistics.bootstrap_resamples, "seed": statistics.seed}
     metrics: dict[str, float] = {}
     for column, name in (("score", "score"), ("response_tokens", "response_length"), ("perplexity", "perplexity"),
@@ -164,6 +165,11 @@ def paired_deltas(frame: pd.DataFrame, baseline: pd.DataFrame, statistics: Stati
             continue
         interval = stats.paired_delta(frame[column].astype(float), baseline[column].astype(float), **options)
         metrics.update(interval.metrics(f"eval/{name}_delta"))
+        if column in ("score", "gold_score"):  # a score gain can be a length effect: also at equal lengths
+            length_diff = frame["response_tokens"].astype(float) - baseline["response_tokens"].astype(float)
+            controlled = stats.length_controlled(frame[column].astype(float) - baseline[column].astype(float),
+                                                 length_diff, **options)
+            metrics.update(controlled.metrics(f"eval/{name}_delta_lc"))
     return metrics
 
 

@@ -238,7 +238,12 @@ class RewardTraining(lifecycle.TrainingStage):
             save=lambda out: save_reward_model(trained_model(engine), self.tokenizer, out, {
                 "heldout_pairs": len(heldout), "heldout_accuracy": metrics["eval/accuracy"]}),
             pack=scorer_pack(self.cfg, self.dist),
+            # The accuracy with its interval and pair count: the eval stage reads them to decide whether
+            # this model, as a judge, can tell a better answer from a worse one (stages/evaluate/quality.py).
             lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
+                     "rlhf.heldout_accuracy_ci_low": f"{metrics['eval/accuracy_ci_low']:.4f}",
+                     "rlhf.heldout_accuracy_ci_high": f"{metrics['eval/accuracy_ci_high']:.4f}",
+                     "rlhf.heldout_pairs": str(len(heldout)),
                      "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
                      "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"},
             report=report)
