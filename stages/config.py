@@ -785,8 +785,9 @@ class EvalConfig(_Section):
     judges: list[JudgeConfig] = Field(
         [RewardModelJudgeConfig(), OpenAIJudgeConfig()],
         description="Judges of policy vs SFT responses (kind: reward_model, openai, local, reward_source); the "
-                    "first that can judge (its invalid verdicts within contracts.eval.max_invalid_fraction) "
-                    "decides the champion.")
+                    "first that can judge (its invalid verdicts within contracts.eval.max_invalid_fraction and, with "
+                    "judge_accuracy_gate, its accuracy on labelled held-out pairs above chance) decides the "
+                    "champion.")
     champion_min_lower_bound: float = Field(
         0.0, description="The first judge that can judge decides: alias @champion on the policy version when the lower bound of "
                          "the confidence interval of its net win (win − lose) / n (`statistics`) is above this. A "
@@ -803,8 +804,8 @@ class EvalConfig(_Section):
         32, ge=0, description="Labelled pairs (the first N of the rm_eval split, chosen vs rejected) that each judge "
                               "without a recorded held-out accuracy (chat judges, reward_source judges, a reward "
                               "model without the reward stage's tags) judges in both orders before the policy: its "
-                              "accuracy (right verdicts / N, a tie or no verdict is not right) with a Wilson "
-                              "interval is what `judge_accuracy_gate` reads. 0: none, so such a judge cannot decide "
+                              "accuracy ((right + ½ · ties or no verdict) / N, so a judge that always ties is at "
+                              "0.5) with a Wilson interval is what `judge_accuracy_gate` reads. 0: none, so such a judge cannot decide "
                               "while the gate is on. Ours: 32, the demo's rm_eval size; each costs a chat judge two "
                               "requests.")
     seed: int = Field(42, description="Seed of the sampling.")

@@ -40,8 +40,10 @@ def evaluated(sft_only):
         with JudgeServer() as server:
             judges = [{"kind": "openai", "base_url": server.base_url, "api_key_env": KEY_ENV, "timeout_s": 10},
                       {"kind": "reward_model"}, {"kind": "local", "max_prompts": 2, "max_new_tokens": 4}]
+            # below any net win, and judges at chance allowed to decide: the policy is champion
             overrides = {"reward.max_steps": 2, "ppo.iterations": 2, "eval.judges": judges,
-                         "eval.champion_min_lower_bound": -2.0}  # below any net win: the policy is champion
+                         "eval.champion_min_lower_bound": -2.0, "eval.judge_accuracy_gate": False,
+                         "eval.judge_control_pairs": 4}
             run_id = rlhf(preset="tiny", overrides=overrides, stages=["reward", "ppo", "eval"], from_run=sft_only)
             return run_id, server.calls
     finally:
@@ -79,7 +81,8 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
     assert metrics["eval/judge/reward_model/score_delta"] == pytest.approx(
         (judged_by_rm["score_policy"] - judged_by_rm["score_sft"]).mean(), abs=1e-6)
     assert metrics["eval/judge/reward_model/score_delta_ci_low"] <= metrics["eval/judge/reward_model/score_delta"]
-    assert metrics["eval/judge/openai/invalid"] == 0 and 0 < http_calls <= 16  # 8 pairs × 2 orders, some cached
+    # (8 pairs + 4 control pairs) × 2 orders, some cached
+    assert metrics["eval/judge/openai/invalid"] == 0 and 0 < http_calls <= 24
     for model in ("sft", "policy", "delta"):
         assert f"eval/ceval_0shot/overall/{model}" in metrics and f"eval/ceval_5shot/stem/{model}" in metrics
     assert metrics["eval/ceval_0shot/overall/delta"] == pytest.approx(
@@ -87,6 +90,7 @@ def test_eval_reports_judges_and_sets_the_champion(evaluated):
 
     # @champion on the policy version this run registered; the contract passed.
     assert metrics["eval/champion"] == 1.0 and run.data.tags["rlhf.champion"].startswith("yes (judge openai")
+    assert "accuracy gate off (eval.judge_accuracy_gate)" in run.data.tags["rlhf.champion"]
     name, version = outputs["policy_model"].removeprefix("models:/").split("/")
     assert str(tracking.client().get_model_version_by_alias(name, "champion").version) == version
     assert run.data.tags["rlhf.contract"] == "passed"
@@ -127,7 +131,7 @@ def test_a_judge_that_cannot_judge_is_reported_by_name_and_the_other_judges_stan
             judges = [{"kind": "openai", "name": "weak", "base_url": server.base_url, "api_key_env": KEY_ENV,
                        "timeout_s": 10}, {"kind": "reward_model"}]
             again = rlhf(preset="tiny", stages=["eval"], from_run=run_id,
-                         overrides={"eval.judges": judges, "eval.ceval.shots": [0],
+                         overrides={"eval.judges": judges, "eval.ceval.shots": [0], "eval.judge_accuracy_gate": False,
                                     "contracts.eval.max_invalid_fraction": 0.1, "eval.champion_min_lower_bound": -2.0})
     finally:
         del os.environ[KEY_ENV]
@@ -140,6 +144,70 @@ def test_a_judge_that_cannot_judge_is_reported_by_name_and_the_other_judges_stan
     assert tags["rlhf.champion"].startswith("yes (judge reward_model")
     gate = tracking.download(f"runs:/{run.info.run_id}/contracts/eval_gate.md").read_text()
     assert "judge.weak" in gate and "8 of 8 rows unexpected" in gate and "| judge.reward_model | passed |" in gate
+
+
+TIE_MODULE = """
+def same_score(prompts, responses):
+    return [0.0] * len(responses)
+"""
+
+
+def test_a_judge_at_chance_cannot_decide_and_grants_no_champion(evaluated, tmp_path, monkeypatch):
+    """A judge that scores every answer alike ties every labelled control pair: accuracy 0.5, its
+    interval around chance. It gives no win or loss, the verdict says it cannot decide and why,
+    and @champion stays where it was; the reward-model judge carries the accuracy the reward stage
+    recorded on the version it reads, and every judge its length-controlled net win."""
+    from flows.rlhf import rlhf
+    from stages import runs
+
+    (tmp_path / "tie_judge.py").write_text(TIE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_id, _ = evaluated
+    policy = tracking.outputs_of(run_id)["policy_model"]
+    name, _ = policy.removeprefix("models:/").split("/")
+    tracking.client().delete_registered_model_alias(name, "champion")
+    judges = [{"kind": "reward_source", "name": "coin", "source": "python:tie_judge:same_score"},
+              {"kind": "reward_model"}]
+    again = rlhf(preset="tiny", stages=["eval"], from_run=run_id,
+                 overrides={"eval.judges": judges, "eval.ceval.shots": [0], "eval.judge_control_pairs": 16,
+                            "eval.champion_min_lower_bound": -2.0})
+    run = stage_run(again, "eval")
+    tags, metrics = run.data.tags, run.data.metrics
+    assert metrics["eval/judge/coin/accuracy"] == 0.5 and metrics["eval/judge/coin/accuracy_pairs"] == 16
+    assert metrics["eval/judge/coin/accuracy_ci_low"] < 0.5 < metrics["eval/judge/coin/accuracy_ci_high"]
+    assert metrics["eval/judge/coin/can_judge"] == 0.0 and metrics["eval/judge/coin/net_win"] == 0.0
+    low, high = (metrics[f"eval/judge/coin/accuracy_ci_{end}"] for end in ("low", "high"))
+    reason = f"cannot decide: coin's accuracy 0.500 [{low:.3f}, {high:.3f}] on 16 held-out pairs includes chance"
+    assert reason in tags["rlhf.champion"]
+
+    # The reward model judge: the reward stage's held-out accuracy, from its registered version's tags.
+    reward_run = stage_run(run_id, "reward").data.metrics
+    assert metrics["eval/judge/reward_model/accuracy"] == pytest.approx(reward_run["eval/accuracy"], abs=1e-4)
+    assert metrics["eval/judge/reward_model/accuracy_ci_low"] == pytest.approx(reward_run["eval/accuracy_ci_low"], abs=1e-4)
+    assert metrics["eval/judge/reward_model/accuracy_pairs"] == 32
+    rm_can_judge = metrics["eval/judge/reward_model/accuracy_ci_low"] > 0.5
+    assert metrics["eval/judge/reward_model/can_judge"] == float(rm_can_judge)
+    for judge in ("coin", "reward_model"):
+        for name in ("net_win_lc", "net_win_lc_ci_low", "net_win_lc_ci_high", "length_corr"):
+            assert math.isfinite(metrics[f"eval/judge/{judge}/{name}"]), (judge, name)
+    assert metrics["eval/judge/reward_model/score_delta_lc_ci_low"] <= metrics["eval/judge/reward_model/score_delta_lc"]
+    if rm_can_judge:
+        pytest.skip("the tiny reward model judged above chance: the champion is its to decide")
+    assert metrics["eval/champion"] == 0.0 and tags["rlhf.champion"].startswith(f"no ({reason}")
+    assert "cannot decide: reward_model's accuracy" in tags["rlhf.champion"]
+    with pytest.raises(Exception, match="RESOURCE_DOES_NOT_EXIST|not found|No model version"):
+        tracking.client().get_model_version_by_alias(name, "champion")
+
+    # The ending: the verdict names the judge at chance, its accuracy, and the length-controlled numbers.
+    lines = runs.ending(again).text.splitlines()
+    verdict = next(line for line in lines if line.startswith("Verdict: "))
+    assert verdict.startswith(f"Verdict: {reason} (coin judge on 8 held-out prompts: win 0 / tie 8 / lose 0;")
+    numbers = lines[lines.index(verdict) + 1]
+    assert numbers.startswith(f"  coin judge: accuracy 0.500 [{low:.3f}, {high:.3f}] on 16 held-out pairs; ")
+    assert "length-controlled" in numbers and "corr(score, length)" in numbers
+    report = tracking.download(f"runs:/{run.info.run_id}/report")
+    text = (report / "report.md").read_text()
+    assert "net_win_lc 95% CI" in text and "| harmless | coin | 0.500 [" in text and "| no |" in text
 
 
 def test_the_api_key_is_nowhere_in_mlflow(evaluated):

@@ -76,10 +76,24 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     assert lines[0] == f"Pipeline run {full_run} finished: tiny · ppo-max"
     assert [line.split()[0] for line in lines[1:7]] == ["data", "sft", "reward", "critic", "ppo", "eval"]
     assert "eval/score " in lines[5] and " → " in lines[5]
-    verdict = next(line for line in lines if line.startswith("Verdict: the policy "))
+    assert "eval/score_delta_lc " in lines[5] and "eval/judge/reward_model/accuracy " in lines[6]
+    verdict = next(line for line in lines if line.startswith("Verdict: "))
     assert "reward_model judge on 8 held-out prompts" in verdict
-    assert ("cannot separate" in text) == ("did not beat" in verdict)  # only a loss can blame the sample size
-    assert ("the reward model the policy was trained against" in text) == ("did not beat" not in verdict)
+    # The judge's accuracy, with its interval, on the reward stage's held-out pairs; a judge at chance
+    # cannot decide, and says so.
+    reward = stage_run(full_run, "reward").data.metrics
+    accuracy = (f"{reward['eval/accuracy']:.3f} [{reward['eval/accuracy_ci_low']:.3f}, "
+                f"{reward['eval/accuracy_ci_high']:.3f}] on 32 held-out pairs")
+    at_chance = reward["eval/accuracy_ci_low"] <= 0.5
+    assert verdict.startswith(f"Verdict: cannot decide: reward_model's accuracy {accuracy} ") == at_chance, verdict
+    assert verdict.startswith("Verdict: the policy ") != at_chance
+    numbers = lines[lines.index(verdict) + 1]
+    assert numbers.startswith(f"  reward_model judge: accuracy {accuracy}; "), numbers
+    assert "length-controlled net win " in numbers and "length-controlled score Δ " in numbers
+    assert "corr(score, length) " in numbers
+    # only a loss can blame the sample size
+    assert ("cannot separate" in text) == ("did not beat" in verdict)
+    assert ("the reward model the policy was trained against" in text) == verdict.startswith("Verdict: the policy beat")
     assert "Report: runs:/" in text
 
     description = parent.data.tags["mlflow.note.content"]
@@ -140,13 +154,15 @@ def test_ppo_logs_trl_metrics_samples_evals_and_drops_its_checkpoints(full_run):
     k3 = client.get_metric_history(ppo.info.run_id, "objective/kl_k3")  # beside k1, which may be negative: never
     assert len(k3) == cfg.iterations and all(m.value >= 0 for m in k3)
     # Each later held-out evaluation is paired with the SFT policy's: deltas with intervals, and the guard.
-    for name in ("eval/score_delta", "eval/response_length_delta", "eval/perplexity_delta", "eval/eos_rate_delta",
-                 "guard/passed", "guard/policy_iteration"):
+    for name in ("eval/score_delta", "eval/score_delta_lc", "eval/response_length_delta", "eval/perplexity_delta",
+                 "eval/eos_rate_delta", "guard/passed", "guard/policy_iteration"):
         assert [m.step for m in client.get_metric_history(ppo.info.run_id, name)] == [3, 6], name
     for name in ("eval/distinct_2", "eval/score_length_corr"):  # the SFT policy's too
         assert [m.step for m in client.get_metric_history(ppo.info.run_id, name)] == [0, 3, 6], name
     metrics = ppo.data.metrics
     assert metrics["eval/score_delta_ci_low"] <= metrics["eval/score_delta"] <= metrics["eval/score_delta_ci_high"]
+    # the same delta at equal lengths (the intercept of Δscore on Δlength over the held-out prompts)
+    assert metrics["eval/score_delta_lc_ci_low"] <= metrics["eval/score_delta_lc"] <= metrics["eval/score_delta_lc_ci_high"]
     assert metrics["guard/passed"] == 1.0 and ppo.data.tags["rlhf.collapse"] == "none"  # tiny's bands are wide
     assert ppo.data.tags["rlhf.policy_iteration"] == str(cfg.iterations)
     samples = tracking.download(f"runs:/{ppo.info.run_id}/samples")

@@ -249,19 +249,18 @@ def judge_verdicts(cfg: PipelineConfig, judged: pd.DataFrame, qualities: dict[st
         if corr is not None:
             metrics[f"{prefix}/length_corr"] = corr
     decider, unusable = deciding_judge(cfg, metrics, qualities)
+    undecided = [r for r in unusable if r.startswith("cannot decide: ")]
+    invalid = [r for r in unusable if r not in undecided]
+    why_not = [*undecided, *([f"{', '.join(invalid)} could not judge"] if invalid else [])]
     if decider is not None:
         won, champion = champion_decision(decider, intervals[decider]["net_win"], cfg.eval.champion_min_lower_bound)
         if not cfg.eval.judge_accuracy_gate:
             champion += f"; accuracy gate off (eval.judge_accuracy_gate), judge accuracy {qualities[decider].accuracy_text()}"
-        if unusable:
-            champion += f"; {', '.join(unusable)} could not judge"
-        return metrics, won, champion, decider
-    undecided = [r for r in unusable if r.startswith("cannot decide: ")]
+        return metrics, won, "; ".join([champion, *why_not]), decider
     if undecided:
-        first = next(j.name for j in cfg.eval.judges if any(r.startswith(f"cannot decide: {j.name}") for r in undecided))
-        others = [r for r in unusable if r != undecided[0]]
-        return metrics, False, f"no ({undecided[0]}" + (f"; {', '.join(others)} could not judge" if others else "") + ")", first
-    return metrics, False, f"no (no judge could judge: {', '.join(unusable)})", cfg.eval.judges[0].name
+        first = next(j.name for j in cfg.eval.judges if f"judge {j.name}" not in invalid)
+        return metrics, False, f"no ({'; '.join(why_not)})", first
+    return metrics, False, f"no (no judge could judge: {', '.join(invalid)})", cfg.eval.judges[0].name
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
