@@ -135,3 +135,46 @@ def test_reward_model_judge_scores_a_cut_response_without_eos():
     judged = judge_pairs(judge, [Pair(row=1, messages=MESSAGES, policy=answer, sft=answer, policy_ended=False)])
     assert judged["score_policy"][0] == pytest.approx(score(prompt + text), abs=1e-5)
     assert judged["score_sft"][0] == pytest.approx(score(prompt + text + [tokenizer.eos_token_id]), abs=1e-5)
+
+
+def _control(chosen: str, rejected: str, n: int) -> list[Pair]:
+    """n labelled pairs: the chosen answer in the policy's place, as stages/evaluate/quality.py builds them."""
+    return [Pair(row=100 + i, messages=[{"role": "user", "content": f"Question {i}?"}], policy=f"{chosen} {i}",
+                 sft=f"{rejected} {i}") for i in range(n)]
+
+
+def test_a_chat_judge_at_chance_on_labelled_pairs_cannot_decide_and_one_that_tells_them_apart_can(key, tmp_path):
+    """The loopback judge prefers the shorter answer: where the chosen answer is the shorter, it is
+    right on all 24 control pairs (Wilson's interval above 0.5); a judge that always names the first
+    position ties every pair in the two orders, 0.5, and its interval includes chance."""
+    from stages.evaluate import quality
+
+    with JudgeServer() as server:
+        right = quality.measured(_judge(server, tmp_path), _control("Short.", "A much longer answer.", 24), 0.95)
+        biased = quality.measured(_judge(server, tmp_path), _control("FIRST short.", "FIRST a longer one.", 24), 0.95)
+    assert right.accuracy.estimate == 1.0 and right.accuracy.low > 0.8 and right.can_judge
+    assert biased.accuracy.estimate == 0.5 and biased.accuracy.low < 0.5 < biased.accuracy.high
+    assert not biased.can_judge
+    low, high = biased.accuracy.low, biased.accuracy.high
+    assert biased.cannot_decide() == (f"cannot decide: openai's accuracy 0.500 [{low:.3f}, {high:.3f}] on 24 held-out "
+                                      f"pairs includes chance")
+    assert biased.metrics("eval/judge/openai") == {
+        "eval/judge/openai/can_judge": 0.0, "eval/judge/openai/accuracy": 0.5, "eval/judge/openai/accuracy_ci_low": low,
+        "eval/judge/openai/accuracy_ci_high": high, "eval/judge/openai/accuracy_pairs": 24.0}
+
+
+def test_a_reward_models_recorded_accuracy_is_read_from_its_version_tags():
+    """The reward stage's tags: accuracy, its interval and the pair count (the demo's RM: 19 of 32);
+    without the interval bounds Wilson's at the level asked; without the pair count none at all."""
+    from stages.evaluate import quality
+
+    tags = {"rlhf.heldout_accuracy": "0.5938", "rlhf.heldout_accuracy_ci_low": "0.4226",
+            "rlhf.heldout_accuracy_ci_high": "0.7448", "rlhf.heldout_pairs": "32"}
+    demo = quality.recorded("reward_model", tags, 0.95)
+    assert (demo.accuracy.estimate, demo.accuracy.low, demo.accuracy.high, demo.accuracy.n) == (0.5938, 0.4226, 0.7448, 32)
+    assert not demo.can_judge
+    assert demo.cannot_decide() == ("cannot decide: reward_model's accuracy 0.594 [0.423, 0.745] on 32 held-out pairs "
+                                    "includes chance")
+    wilson = quality.recorded("reward_model", {"rlhf.heldout_accuracy": "0.5938", "rlhf.heldout_pairs": "32"}, 0.95)
+    assert wilson.accuracy.low == pytest.approx(0.4226, abs=1e-3) and wilson.accuracy.high == pytest.approx(0.7448, abs=1e-3)
+    assert quality.recorded("reward_model", {"rlhf.heldout_accuracy": "0.5938"}, 0.95) is None
