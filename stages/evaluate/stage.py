@@ -172,8 +172,10 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
 def recorded_quality(spec, inputs: dict, level: float) -> quality.JudgeQuality | None:
     """A reward-model judge's held-out accuracy as the reward stage recorded it on the registered
     version it reads (`models:/name/version` or `models:/name@alias`); None for any other judge or model."""
+    if spec.kind != "reward_model":
+        return None
     uri = spec.model if spec.model is not None else inputs.get("reward_model")
-    if spec.kind != "reward_model" or not uri or not uri.startswith("models:/"):
+    if not uri or not uri.startswith("models:/"):
         return None
     ref = uri.removeprefix("models:/").rstrip("/")
     client = tracking.client()
