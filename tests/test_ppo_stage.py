@@ -30,6 +30,14 @@ def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
     critic_metrics = runs["critic"].data.metrics
     assert np.isfinite(critic_metrics["critic/final_value_loss"]) and "critic/final_explained_variance" in critic_metrics
 
+    # The reward model's held-out accuracy with its interval and pair count: what the eval stage reads
+    # to decide whether it can judge.
+    reward, reward_metrics = version_tags(outputs["reward_model"]), runs["reward"].data.metrics
+    for tag, metric in (("rlhf.heldout_accuracy", "eval/accuracy"), ("rlhf.heldout_accuracy_ci_low", "eval/accuracy_ci_low"),
+                        ("rlhf.heldout_accuracy_ci_high", "eval/accuracy_ci_high")):
+        assert float(reward[tag]) == pytest.approx(reward_metrics[metric], abs=1e-4), tag
+    assert reward["rlhf.heldout_pairs"] == "32"
+
     policy = version_tags(outputs["policy_model"])
     assert outputs["policy_model"].startswith("models:/rlhf-tiny-policy/")
     assert policy["rlhf.input.sft_model"] == outputs["sft_model"]
