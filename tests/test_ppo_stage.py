@@ -97,8 +97,13 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     assert verdict.startswith("Verdict: the policy ") != at_chance
     numbers = lines[lines.index(verdict) + 1]
     assert numbers.startswith(f"  reward_model judge: accuracy {accuracy}; "), numbers
-    assert "length-controlled net win " in numbers and "length-controlled score Δ " in numbers
-    assert "corr(score, length) " in numbers
+    # each number beside its length-controlled value, which leads where the judge goes by length
+    corr = stage_run(full_run, "eval").data.metrics["eval/judge/reward_model/length_corr"]
+    assert f"corr(score, length) {corr:+.2f}" in numbers
+    for label in ("net win", "score Δ"):
+        assert (f"length-controlled {label} " in numbers) == (abs(corr) > 0.3), numbers
+        assert re.search(rf"{label} [-+\d.]+ \[[-+\d.]+, [-+\d.]+\] \(length-controlled [-+\d.]+ \[", numbers) or \
+            re.search(rf"length-controlled {label} [-+\d.]+ \[[-+\d.]+, [-+\d.]+\] \(raw [-+\d.]+ \[", numbers), numbers
     # only a loss can blame the sample size
     assert ("cannot separate" in text) == ("did not beat" in verdict)
     assert ("the reward model the policy was trained against" in text) == verdict.startswith("Verdict: the policy beat")
