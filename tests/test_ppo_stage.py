@@ -89,16 +89,18 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     assert "reward_model judge on 8 held-out prompts" in verdict
     # The judge's accuracy, with its interval, on the reward stage's held-out pairs; a judge at chance
     # cannot decide, and says so.
-    reward = stage_run(full_run, "reward").data.metrics
-    accuracy = (f"{reward['eval/accuracy']:.3f} [{reward['eval/accuracy_ci_low']:.3f}, "
-                f"{reward['eval/accuracy_ci_high']:.3f}] on 32 held-out pairs")
-    at_chance = reward["eval/accuracy_ci_low"] <= 0.5
+    reward, judged = stage_run(full_run, "reward").data.metrics, stage_run(full_run, "eval").data.metrics
+    for end in ("", "_ci_low", "_ci_high"):
+        assert judged[f"eval/judge/reward_model/accuracy{end}"] == pytest.approx(reward[f"eval/accuracy{end}"], abs=1e-4)
+    accuracy = (f"{judged['eval/judge/reward_model/accuracy']:.3f} [{judged['eval/judge/reward_model/accuracy_ci_low']:.3f}, "
+                f"{judged['eval/judge/reward_model/accuracy_ci_high']:.3f}] on 32 held-out pairs")
+    at_chance = judged["eval/judge/reward_model/accuracy_ci_low"] <= 0.5
     assert verdict.startswith(f"Verdict: cannot decide: reward_model's accuracy {accuracy} ") == at_chance, verdict
     assert verdict.startswith("Verdict: the policy ") != at_chance
     numbers = lines[lines.index(verdict) + 1]
     assert numbers.startswith(f"  reward_model judge: accuracy {accuracy}; "), numbers
     # each number beside its length-controlled value, which leads where the judge goes by length
-    corr = stage_run(full_run, "eval").data.metrics["eval/judge/reward_model/length_corr"]
+    corr = judged["eval/judge/reward_model/length_corr"]
     assert f"corr(score, length) {corr:+.2f}" in numbers
     for label in ("net win", "score Δ"):
         assert (f"length-controlled {label} " in numbers) == (abs(corr) > 0.3), numbers
