@@ -57,6 +57,9 @@ def data_dir(cfg: DataConfig) -> Path | None:
     return Path(cfg.data_dir).expanduser() if cfg.data_dir else default_data_dir()
 
 
+LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".csv")
+
+
 def resolve_local(spec: str, base: Path | None) -> Path | None:
     """A local path for `spec` (absolute, relative to cwd, or to the data dir), else None."""
     path = Path(spec).expanduser()
