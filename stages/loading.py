@@ -216,7 +216,7 @@ def _snapshot(repo: str, patterns: list[str], what: str, mirror: Path | None) ->
     except RepositoryNotFoundError:
         raise DataError(f"hf://datasets/{repo}", None, f"no such data set on the hub ({constants.ENDPOINT})") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
-        reason = ("HF_HUB_OFFLINE is set" if constants.is_offline_mode()
+        reason = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
                   else (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0].removeprefix("Got: "))
         looked = (f"the hub at {constants.ENDPOINT} ({reason.rstrip('.')}), the Hugging Face cache "
                   f"{constants.HF_HUB_CACHE}, and " + (f"{mirror} (not there)" if mirror else "no mirror (RLHF_DATA_DIR unset)"))
