@@ -115,7 +115,7 @@ def locate(cfg: DataConfig, subjects: list[str], splits: tuple[str, ...]) -> Dat
     paths = [f"{split}/{subject}_{split}.csv" for split in splits for subject in subjects]
     folder = resolve_local(cfg.ceval, data_dir(cfg))
     if folder is not None:
-        return DataFiles(str(folder.resolve()), folder, tuple(paths))
+        return DataFiles(str(folder.resolve()), folder, tuple(p for p in paths if (folder / p).exists()))
     return hub_files(cfg.ceval, paths, cfg, f"splits {', '.join(splits)} of {len(subjects)} subjects")
 
 
