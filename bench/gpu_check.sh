@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--fetch" ]]; then
         --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl
     python3 -m pip download --no-deps --no-binary=:all: -d .whl "$(grep '^deepspeed==' bench/gpu_wheels.txt)"
-    cp -r "${RLHF_DATA_DIR:-../shared/data}/hh-rlhf" "${RLHF_DATA_DIR:-../shared/data}/ceval-exam" .gpu-data/
+    cp -r "${RLHF_DATA_DIR:-../shared/hub-mirror}/datasets" .gpu-data/  # the hub mirror: no hub there
     du -sh .whl .gpu-data
     exit 0
 fi
@@ -42,6 +42,7 @@ LOG="$OUT/steps.log"
 START=$SECONDS
 
 export PYTHONUNBUFFERED=1 RLHF_HOME=${RLHF_HOME:-/tmp/rlhf-gpu-check} RLHF_DATA_DIR=${RLHF_DATA_DIR:-$PWD/.gpu-data}
+export RLHF_TEST_HUB_MIRROR=${RLHF_TEST_HUB_MIRROR:-$RLHF_DATA_DIR}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $DRY == 0 ]]; then
     if compgen -G ".whl/*" >/dev/null; then

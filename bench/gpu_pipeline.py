@@ -8,7 +8,7 @@ Prefect, which a GPU machine without network may lack): `rlhf run --preset gpu` 
 Rank 0 of each training stage logs `stage/seconds` and `stage/peak_gpu_memory_gib`
 (`torch.cuda.max_memory_allocated`); the table divides the latter by the plan's per-device peak.
 
-    python3 bench/gpu_pipeline.py                       # --preset gpu; RLHF_DATA_DIR: the HH pairs
+    python3 bench/gpu_pipeline.py                       # --preset gpu; RLHF_DATA_DIR: a hub mirror (HH-RLHF)
     python3 bench/gpu_pipeline.py --set ppo.iterations=2 --table /tmp/gpu-preset.md
 """
 

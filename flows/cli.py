@@ -26,9 +26,9 @@ from pydantic_core import to_jsonable_python
 from flows import services
 from stages import allocator, interrupt, plan, registry, runs, tracking
 from stages.config import ConfigError, PipelineConfig, config_fields, load_config, rlhf_home
-from stages.data import own_sources
+from stages.data import own_source_config, own_sources
 from stages.plan import TRAINING_STAGES
-from stages.loading import DataError, ModelError, data_dir, resolve_local
+from stages.loading import DataError, ModelError, locate
 
 
 def _env_defaults() -> None:
@@ -696,8 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
         if not args.resume and (stages is None or "data" in stages):
-            for spec in (cfg.data.pairs, *own_sources(cfg.data).values()):
-                resolve_local(spec, data_dir(cfg.data))
+            locate(cfg.data.pairs, cfg.data)  # a hub data set is downloaded here, before Prefect starts
+            for spec in own_sources(cfg.data).values():
+                locate(spec, own_source_config(cfg.data))
         if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
             _check_plan(args, cfg, stages)
         from flows.rlhf import rlhf  # deferred: Prefect

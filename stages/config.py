@@ -121,9 +121,10 @@ class DataConfig(_Section):
     """Where the preference pairs and C-Eval come from, and how they split."""
 
     pairs: str = Field(
-        "hh-rlhf/harmless-base-test.jsonl.gz",
-        description="Preference pairs: a path (absolute, or relative to data_dir) to jsonl / jsonl.gz / parquet / "
-                    "csv, or a hub id such as `Anthropic/hh-rlhf`; in any format of `format`.")
+        "Anthropic/hh-rlhf",
+        description="Preference pairs: a hub data set id (split `hub_split` under `hub_data_dir`; Anthropic's "
+                    "HH-RLHF by default, as in TRL's and OpenRLHF's examples), or a path (absolute, or relative to "
+                    "data_dir) to jsonl / jsonl.gz / parquet / csv; in any format of `format`.")
     format: Literal["auto", "hh", "standard", "conversational", "implicit"] = Field(
         "auto",
         description="Row format (TRL's preference formats): `hh` chosen/rejected HH dialogue strings "
@@ -154,12 +155,17 @@ class DataConfig(_Section):
                     "no answers there, SFT's held-out loss is read on the rm_eval split's chosen answers.")
     hub_data_dir: str | None = Field("harmless-base", description="Sub-folder of a hub dataset (e.g. harmless-base "
                                                                    "of Anthropic/hh-rlhf).")
-    hub_split: str = Field("test", description="Split of a hub dataset.")
+    hub_split: str = Field("test", description="Split of a hub dataset: its files named `<split>.*`, `<split>-*` "
+                                               "or in a `<split>/` folder (the hub's conventions).")
     ceval: str = Field(
-        "ceval-exam",
-        description="C-Eval (read by the eval stage): a folder with dev/ and val/ CSVs (absolute, or relative to "
-                    "data_dir), or the hub id `ceval/ceval-exam`.")
-    data_dir: str | None = Field(None, description="Default: $RLHF_DATA_DIR, else ../shared/data beside the repo.")
+        "ceval/ceval-exam",
+        description="C-Eval (read by the eval stage): the hub id `ceval/ceval-exam` (only the subjects' dev and val "
+                    "CSVs are downloaded), or a folder with dev/ and val/ CSVs (absolute, or relative to data_dir).")
+    data_dir: str | None = Field(
+        None,
+        description="The data folder (default: $RLHF_DATA_DIR): relative paths are read from it, and a hub data set "
+                    "from its `datasets/<owner>/<name>/` folder when it has one (an offline mirror in the hub's "
+                    "layout). Hub data sets it does not hold come from the hub, through the Hugging Face cache.")
     seed: int = Field(0, description="Seed of the split assignment.")
     splits: SplitSizes = Field(SplitSizes(), description="Distinct prompts per split, from `pairs` or from the "
                                                          "split's own source; splits never share a prompt.")

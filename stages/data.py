@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from stages.config import ConfigError, DataConfig, PipelineConfig
-from stages.loading import DataError, read_records
+from stages.loading import DataError, DataFiles, read_records, read_source
 
 HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -245,17 +245,26 @@ def parse_sft_example(record: dict, data: DataConfig, source: str) -> dict:
 PARSE_OWN = {"sft": parse_sft_example, "ppo_prompts": parse_prompt, "eval_prompts": parse_prompt}
 
 
-def read_own_sources(data: DataConfig) -> dict[str, tuple[str, list[dict]]]:
-    """{split: (source, rows)} of the splits with sources of their own, parsed. A hub id is read
-    from its `train` split (hub_data_dir and hub_split belong to `pairs`)."""
-    hub_defaults = data.model_copy(update={"hub_data_dir": None, "hub_split": "train"})
+def own_source_config(data: DataConfig) -> DataConfig:
+    """The data config a split's own source is read with: a hub id's `train` split (hub_data_dir
+    and hub_split belong to `pairs`)."""
+    return data.model_copy(update={"hub_data_dir": None, "hub_split": "train"})
+
+
+def read_own_files(data: DataConfig) -> dict[str, tuple[DataFiles, list[dict]]]:
+    """{split: (its files, parsed rows)} of the splits with sources of their own."""
     out = {}
     for split, spec in own_sources(data).items():
-        source, records = read_records(spec, hub_defaults)
+        found, records = read_source(spec, own_source_config(data))
         if not records:
-            raise DataError(source, None, "no rows")
-        out[split] = (source, [PARSE_OWN[split](record, data, source) for record in records])
+            raise DataError(found.name, None, "no rows")
+        out[split] = (found, [PARSE_OWN[split](record, data, found.name) for record in records])
     return out
+
+
+def read_own_sources(data: DataConfig) -> dict[str, tuple[str, list[dict]]]:
+    """{split: (source, rows)} of the splits with sources of their own, parsed."""
+    return {split: (found.name, rows) for split, (found, rows) in read_own_files(data).items()}
 
 
 def load_pairs(cfg: PipelineConfig, records: list[dict] | None = None, source: str | None = None
@@ -419,9 +428,10 @@ def count_cut(sequences: list[list[int]], tokenizer) -> int:
 def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     """Parse, clean and split the pairs (and the splits' own sources); log the splits as artifacts
     and MLflow inputs."""
-    source, records = read_records(cfg.data.pairs, cfg.data)
-    source, pairs, dropped = load_pairs(cfg, records, source)
-    own = read_own_sources(cfg.data)
+    found, records = read_source(cfg.data.pairs, cfg.data)
+    source, pairs, dropped = load_pairs(cfg, records, found.name)
+    own_files = read_own_files(cfg.data)
+    own = {split: (files.name, rows) for split, (files, rows) in own_files.items()}
     splits = make_splits(pairs, cfg, tuple(name for name in SPLITS if name not in own))
     splits, left_out = add_own_splits(splits, own, cfg)
     # A pipeline without a gold RM has no gold splits: no empty files or inputs for them.
@@ -432,8 +442,10 @@ def run(cfg: PipelineConfig, tracker, inputs: dict, dist=None) -> dict:
     write_jsonl(dropped + left_out, out / "dropped_rows.jsonl")
     digest = splits_digest(splits)
     sources_of = {name: own[name][0] if name in own else source for name in SPLITS}
-    tracker.log_params({"data.source": source, "data.digest": digest,
-                        **{f"data.source.{name}": own_source for name, (own_source, _) in own.items()}})
+    tracker.log_params({"data.source": source, "data.digest": digest, **found.lineage("data"),
+                        **{f"data.source.{name}": own_source for name, (own_source, _) in own.items()},
+                        **{key: value for name, (files, _) in own_files.items()
+                           for key, value in files.lineage(f"data.{name}").items()}})
     tracker.log_metrics(
         {"data/rows": len(pairs) + len(dropped), "data/dropped": len(dropped), "data/distinct_prompts": len({p["prompt"] for p in pairs}),
          **({"data/left_out": len(left_out)} if own else {}),

@@ -8,6 +8,7 @@ temporary folder and renaming it, so concurrent runs never see half a cache entr
 from __future__ import annotations
 
 import csv
+import fnmatch
 import gzip
 import hashlib
 import importlib.util
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -47,10 +49,8 @@ class ModelError(ValueError):
 
 
 def default_data_dir() -> Path | None:
-    if os.environ.get("RLHF_DATA_DIR"):
-        return Path(os.environ["RLHF_DATA_DIR"]).expanduser()
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return shared if shared.is_dir() else None
+    """`$RLHF_DATA_DIR`: a folder of local files, or an offline mirror of the hub (`datasets/<owner>/<name>/`)."""
+    return Path(os.environ["RLHF_DATA_DIR"]).expanduser() if os.environ.get("RLHF_DATA_DIR") else None
 
 
 def data_dir(cfg: DataConfig) -> Path | None:
@@ -135,33 +135,138 @@ def _read_parquet(path: Path) -> Iterator[dict]:
         yield {**record, "_row": row}
 
 
-def _read_hub(spec: str, cfg: DataConfig) -> Iterator[dict]:
+@dataclass(frozen=True)
+class DataFiles:
+    """The files a data spec names and where they came from: what the rows are read from and what
+    lineage records (the hub repository, its commit, each file's sha256)."""
+
+    name: str  # what sources and errors call them: a local path, or hf://datasets/<repo>@<commit>/<path>
+    folder: Path  # the files' folder, in the repository's layout for a hub data set
+    files: tuple[str, ...]  # paths under `folder`, in reading order
+    repo: str | None = None  # the hub data set (`owner/name`)
+    revision: str | None = None  # its commit; "mirror" for a copy read from an offline mirror
+
+    def digests(self) -> dict[str, str]:
+        return {path: file_sha256(self.folder / path) for path in self.files}
+
+    def lineage(self, prefix: str) -> dict[str, str]:
+        """MLflow params under `prefix`: the repository and revision of a hub data set and every
+        file's sha256 (`<prefix>.sha256`, a JSON object {path: digest})."""
+        hub = {f"{prefix}.repo": self.repo, f"{prefix}.revision": self.revision} if self.repo else {}
+        return {**hub, f"{prefix}.sha256": json.dumps(self.digests(), sort_keys=True)}
+
+
+def file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+HUB_ENV_FIX = ("connect to the network (the first run downloads into the Hugging Face cache, later runs read it, "
+               "offline too), or set RLHF_DATA_DIR to an offline mirror of the hub (a folder holding datasets/{repo}/...)")
+
+
+def split_patterns(folder: str | None, split: str) -> list[str]:
+    """Hub file patterns (fnmatch, `*` crosses folders) of one split of a data set: `<split>.*`,
+    `<split>-*`, `<split>_*`, `*-<split>.*` files or a `<split>/` folder, under `folder` (the hub's
+    conventions for split names in file and folder names)."""
+    prefix = f"{folder.strip('/')}/" if folder else ""
+    names = [f"{split}.*", f"{split}-*", f"{split}_*", f"*-{split}.*", f"*_{split}.*", f"{split}/*"]
+    return [prefix + name for name in names] + [f"{prefix}*/{name}" for name in names]
+
+
+def _matching(folder: Path, patterns: list[str]) -> tuple[str, ...]:
+    """The data files (LOCAL_SUFFIXES) under `folder` that match one of `patterns`."""
+    paths = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name.endswith(LOCAL_SUFFIXES))
+    return tuple(sorted(p for p in paths if any(fnmatch.fnmatch(p, pattern) for pattern in patterns)))
+
+
+def hub_files(repo: str, patterns: list[str], cfg: DataConfig, what: str) -> DataFiles:
+    """The files of hub data set `repo` matching `patterns`: from the offline mirror in the data
+    folder (`<data_dir>/datasets/<repo>/`) where it holds the data set, else from the hub through
+    the Hugging Face cache (downloaded once; read from the cache offline). `what` names the part
+    of the data set in errors (e.g. "harmless-base, split test")."""
+    base = data_dir(cfg)
+    mirror = base / "datasets" / repo if base else None
+    if mirror is not None and mirror.is_dir():
+        files = _matching(mirror, patterns)
+        if not files:
+            raise DataError(str(mirror), None, f"no files of {what} in this mirror (patterns {', '.join(patterns)})")
+        name = str((mirror / files[0]).resolve()) if len(files) == 1 else f"{mirror.resolve()} ({len(files)} files)"
+        return DataFiles(name, mirror, files, repo, "mirror")
+    folder = _snapshot(repo, patterns, what, mirror)
+    files = _matching(folder, patterns)
+    if not files:
+        raise DataError(f"hf://datasets/{repo}", None, f"no files of {what} (patterns {', '.join(patterns)})")
+    name = f"hf://datasets/{repo}@{folder.name}" + (f"/{files[0]}" if len(files) == 1 else f" ({len(files)} files)")
+    return DataFiles(name, folder, files, repo, folder.name)
+
+
+def _snapshot(repo: str, patterns: list[str], what: str, mirror: Path | None) -> Path:
+    """The hub's snapshot folder of `repo` holding the files matching `patterns` (huggingface_hub
+    downloads what the cache lacks); a DataError in one line when neither the hub nor the cache has
+    them."""
+    from huggingface_hub import constants, snapshot_download  # deferred: the hub client only for a hub data set
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
     try:
-        import datasets  # deferred: the optional hub extra
-    except ImportError:
-        raise DataError(spec, None, "not a local file; loading from the hub needs `pip install datasets`") from None
-    dataset = datasets.load_dataset(spec, data_dir=cfg.hub_data_dir, split=cfg.hub_split)
-    for row, record in enumerate(dataset, start=1):
-        yield {**record, "_row": row}
+        return Path(snapshot_download(repo, repo_type="dataset", allow_patterns=patterns))
+    except RepositoryNotFoundError:
+        raise DataError(f"hf://datasets/{repo}", None, f"no such data set on the hub ({constants.ENDPOINT})") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        reason = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+                  else (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0].removeprefix("Got: "))
+        looked = (f"the hub at {constants.ENDPOINT} ({reason.rstrip('.')}), the Hugging Face cache "
+                  f"{constants.HF_HUB_CACHE}, and " + (f"{mirror} (not there)" if mirror else "no mirror (RLHF_DATA_DIR unset)"))
+        raise DataError(f"data set {repo} ({what})", None,
+                        f"not found; looked at {looked}. Fix: {HUB_ENV_FIX.format(repo=repo)}") from None
+
+
+def locate(spec: str, cfg: DataConfig) -> DataFiles:
+    """The files of data spec `spec`: a local file, or split `cfg.hub_split` of hub data set `spec`
+    (under `cfg.hub_data_dir`)."""
+    path = resolve_local(spec, data_dir(cfg))
+    if path is None:
+        what = ", ".join([*([cfg.hub_data_dir] if cfg.hub_data_dir else []), f"split {cfg.hub_split}"])
+        return hub_files(spec, split_patterns(cfg.hub_data_dir, cfg.hub_split), cfg, what)
+    if path.is_dir():
+        raise DataError(str(path), None, "is a folder; give the data file")
+    return DataFiles(str(path.resolve()), path.parent, (path.name,))
+
+
+def _read_file(path: Path) -> list[dict]:
+    name = path.name
+    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
+        return list(_read_jsonl(path))
+    if name.endswith(".csv"):
+        return list(_read_csv(path))
+    if name.endswith(".parquet"):
+        return list(_read_parquet(path))
+    raise DataError(str(path), None, f"unknown format; use one of {', '.join(LOCAL_SUFFIXES)}")
+
+
+def read_files(found: DataFiles) -> list[dict]:
+    """The rows of every file, in order; `_row` counts on across the files of a data set split
+    into several."""
+    rows: list[dict] = []
+    for path in found.files:
+        offset = rows[-1]["_row"] if rows else 0
+        rows.extend({**record, "_row": record["_row"] + offset} for record in _read_file(found.folder / path))
+    return rows
+
+
+def read_source(spec: str, cfg: DataConfig) -> tuple[DataFiles, list[dict]]:
+    """The files of a local file or hub data set and their rows, each with its 1-based `_row`."""
+    found = locate(spec, cfg)
+    return found, read_files(found)
 
 
 def read_records(spec: str, cfg: DataConfig) -> tuple[str, list[dict]]:
-    """Rows of a local file or hub data set, each with its 1-based `_row` in the source."""
-    path = resolve_local(spec, data_dir(cfg))
-    if path is None:
-        return f"hf://{spec}", list(_read_hub(spec, cfg))
-    if path.is_dir():
-        raise DataError(str(path), None, "is a folder; give the data file")
-    name = path.name
-    if name.endswith((".jsonl", ".jsonl.gz", ".json")):
-        rows = list(_read_jsonl(path))
-    elif name.endswith(".csv"):
-        rows = list(_read_csv(path))
-    elif name.endswith(".parquet"):
-        rows = list(_read_parquet(path))
-    else:
-        raise DataError(str(path), None, f"unknown format; use one of {', '.join(LOCAL_SUFFIXES)}")
-    return str(path.resolve()), rows
+    """(source, rows) of a local file or hub data set, each row with its 1-based `_row`."""
+    found, rows = read_source(spec, cfg)
+    return found.name, rows
 
 
 # ----------------------------------------------------------------------------------------------

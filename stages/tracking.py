@@ -213,6 +213,20 @@ def log_params(mlflow_client, run_id: str, params: dict) -> None:
         mlflow_client.log_batch(run_id, params=items[start : start + 100])
 
 
+HUB_SOURCE = re.compile(r"hf://datasets/(?P<repo>[^@\s]+)@(?P<revision>[0-9a-f]+)(?:/(?P<path>\S+))?")
+
+
+def _dataset_source(source: str):
+    """MLflow's source of a split: a hub data set's files (`hf://datasets/<repo>@<commit>/<path>`,
+    stages.loading's name for them) as MLflow's Hugging Face source, which no resolver makes from
+    the string; anything else as the string, resolved by MLflow."""
+    found = HUB_SOURCE.fullmatch(source.split(" (")[0])
+    if found is None:
+        return source
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource  # deferred: MLflow
+
+    return HuggingFaceDatasetSource(found["repo"], data_files=found["path"], revision=found["revision"])
+
 class TrackingUnavailable(RuntimeError):
     """The tracking server stayed unreachable for longer than the stage's patience."""
 
@@ -382,7 +396,8 @@ class StageRun:
         )
         with warnings.catch_warnings():  # schema hints and "source can be read in several ways"
             warnings.simplefilter("ignore")
-            dataset = mlflow.data.from_pandas(frame, source=source, name=name, digest=f"{digest}-{name}"[:36])
+            dataset = mlflow.data.from_pandas(frame, source=_dataset_source(source), name=name,
+                                              digest=f"{digest}-{name}"[:36])
             entity = dataset._to_mlflow_entity()
         tag = InputTag(key="mlflow.data.context", value=context)
         self._call(self.client.log_inputs, self.run_id, datasets=[DatasetInput(entity, tags=[tag])])

@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 
 from stages.launch import free_port
-from stages.loading import default_data_dir
 
-HH_FILE = (default_data_dir() or Path("/nonexistent")) / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+# The data the tests read: the offline mirror of the hub's data sets in the project's surroundings
+# (CI clones the repository with shared/ beside it; RLHF_TEST_HUB_MIRROR names it for a checkout
+# elsewhere). Every process the tests start reads it too, so no test reaches the hub;
+# tests/test_hub.py serves it as the hub instead.
+HUB_MIRROR = Path(os.environ.get("RLHF_TEST_HUB_MIRROR") or Path(__file__).resolve().parents[2] / "shared" / "hub-mirror")
+os.environ["RLHF_DATA_DIR"] = str(HUB_MIRROR)
+HH_FILE = HUB_MIRROR / "datasets" / "Anthropic" / "hh-rlhf" / "harmless-base" / "test.jsonl.gz"
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -58,7 +63,7 @@ def full_run(prefect_server) -> str:
 @pytest.fixture(scope="session")
 def hh_file() -> Path:
     if not HH_FILE.exists():
-        pytest.skip(f"shared data not found at {HH_FILE}")
+        pytest.skip(f"the hub mirror's HH-RLHF file not found at {HH_FILE}")
     return HH_FILE
 
 

@@ -1,4 +1,4 @@
-"""C-Eval on the real CSVs of the shared data folder: loading, the official prompts (pinned byte
+"""C-Eval on the real CSVs of the hub mirror the tests read: loading, the official prompts (pinned byte
 for byte), the answer letters' token ids, the prompt cap (the model's context) and the exemplars
 each question got, the batched scorer on the tiny model (checked against one unpadded forward per
 question), the per subject / category / overall aggregation (checked against a count by hand) and
@@ -18,7 +18,7 @@ from eval_helpers import tiny_lm
 from stages import loading
 from stages.config import CEvalConfig, load_config
 from stages.evaluate import ceval, report
-from stages.loading import DataError, data_dir, resolve_local
+from stages.loading import DataError, data_dir
 
 SUBJECTS = ["computer_network", "law", "physician", "middle_school_politics"]
 
@@ -26,8 +26,8 @@ SUBJECTS = ["computer_network", "law", "physician", "middle_school_politics"]
 @pytest.fixture(scope="module")
 def data_cfg(hh_file):
     cfg = load_config("tiny").data
-    if resolve_local(cfg.ceval, data_dir(cfg)) is None:
-        pytest.skip("C-Eval CSVs not found in the data folder")
+    if not (data_dir(cfg) / "datasets" / cfg.ceval).is_dir():
+        pytest.skip(f"C-Eval ({cfg.ceval}) not found in the hub mirror {data_dir(cfg)}")
     return cfg
 
 

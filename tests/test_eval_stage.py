@@ -6,6 +6,8 @@ frames: one that passes and two that fail."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -13,6 +15,7 @@ import re
 import pandas as pd
 import pytest
 
+from conftest import HUB_MIRROR
 from data_contracts import validate
 from eval_helpers import SECRET, JudgeServer
 from leaks import files, leaks, mlflow_texts
@@ -63,6 +66,13 @@ def test_eval_of_an_sft_only_run_scores_the_sft_model_alone(sft_only, capsys):
     assert not any(name.startswith("eval/judge/") or name.endswith("/policy") for name in metrics)
     probe = pd.read_parquet(tracking.download(tracking.outputs_of(run_id)["eval_probe"]))
     assert set(probe["kind"]) == {"ceval"} and len(probe) == 2 * 3 * 4  # shots × subjects × questions
+    # C-Eval's lineage: the session's hub mirror, and every CSV the stage read with its sha256.
+    assert (run.data.params["ceval.repo"], run.data.params["ceval.revision"]) == ("ceval/ceval-exam", "mirror")
+    ceval_files = json.loads((tracking.download(f"runs:/{run.info.run_id}/ceval_files.json")).read_text())
+    assert sorted(ceval_files) == sorted(f"{split}/{subject}_{split}.csv" for split in ("val", "dev")
+                                   for subject in ("computer_network", "law", "physician"))
+    assert ceval_files["val/law_val.csv"] == hashlib.sha256((HUB_MIRROR / "datasets/ceval/ceval-exam/val/law_val.csv")
+                                                      .read_bytes()).hexdigest()
 
 
 def test_eval_reports_judges_and_sets_the_champion(evaluated):

@@ -15,7 +15,7 @@ import torch
 from stages.config import DataConfig
 from stages.ppo.sampling import left_pad
 from stages.models import last_hidden_state
-from stages.loading import DataError, data_dir, read_records, resolve_local
+from stages.loading import DataError, DataFiles, data_dir, hub_files, read_records, resolve_local
 
 LETTERS = "ABCD"
 CATEGORIES = ("STEM", "Social Science", "Humanities", "Other")
@@ -80,7 +80,7 @@ SUBJECTS: dict[str, tuple[str, str]] = {
 @dataclass
 class Question:
     subject: str
-    row: int  # line in the source CSV (row 1 is the header), or the hub row number
+    row: int  # line in the source CSV (row 1 is the header)
     question: str
     choices: tuple[str, str, str, str]
     answer: str
@@ -100,15 +100,7 @@ def _questions(subject: str, source: str, records: list[dict]) -> list[Question]
     return out
 
 
-def _read_split(spec: str, folder: Path | None, subject: str, split: str, cfg: DataConfig) -> list[Question]:
-    if folder is None:  # the hub: one configuration per subject
-        try:
-            import datasets  # deferred: the optional hub extra
-        except ImportError:
-            raise DataError(spec, None, "not a local folder; loading from the hub needs `pip install datasets`") from None
-        rows = datasets.load_dataset(spec, name=subject, split=split)
-        return _questions(subject, f"hf://{spec}/{subject}/{split}",
-                          [{"_row": i, **r} for i, r in enumerate(rows, start=1)])
+def _read_split(folder: Path, subject: str, split: str, cfg: DataConfig) -> list[Question]:
     path = folder / split / f"{subject}_{split}.csv"
     if not path.exists():
         raise DataError(str(path), None, "file not found")
@@ -116,16 +108,27 @@ def _read_split(spec: str, folder: Path | None, subject: str, split: str, cfg: D
     return _questions(subject, source, records)
 
 
+def locate(cfg: DataConfig, subjects: list[str], splits: tuple[str, ...]) -> DataFiles:
+    """The CSVs of `subjects` × `splits` (`<split>/<subject>_<split>.csv`, C-Eval's layout on the hub
+    and in a local folder): `cfg.ceval` is a local folder, or a hub id read from the offline mirror
+    or the hub (only these files are downloaded)."""
+    paths = [f"{split}/{subject}_{split}.csv" for split in splits for subject in subjects]
+    folder = resolve_local(cfg.ceval, data_dir(cfg))
+    if folder is not None:
+        return DataFiles(str(folder.resolve()), folder, tuple(p for p in paths if (folder / p).exists()))
+    return hub_files(cfg.ceval, paths, cfg, f"splits {', '.join(splits)} of {len(subjects)} subjects")
+
+
 def load(cfg: DataConfig, subjects: list[str] | None = None, max_per_subject: int | None = None,
          with_dev: bool = True) -> tuple[dict[str, list[Question]], dict[str, list[Question]]]:
-    """(val questions, dev exemplars) per subject, from `cfg.ceval` (a folder or the hub)."""
+    """(val questions, dev exemplars) per subject, from `cfg.ceval` (a folder or a hub data set)."""
     names = subjects or list(SUBJECTS)
     unknown = [s for s in names if s not in SUBJECTS]
     if unknown:
         raise ValueError(f"unknown C-Eval subjects {unknown}; subjects: {', '.join(SUBJECTS)}")
-    folder = resolve_local(cfg.ceval, data_dir(cfg))
-    val = {s: _read_split(cfg.ceval, folder, s, "val", cfg)[:max_per_subject] for s in names}
-    dev = {s: _read_split(cfg.ceval, folder, s, "dev", cfg) for s in names} if with_dev else {}
+    folder = locate(cfg, names, ("val", "dev") if with_dev else ("val",)).folder
+    val = {s: _read_split(folder, s, "val", cfg)[:max_per_subject] for s in names}
+    dev = {s: _read_split(folder, s, "dev", cfg) for s in names} if with_dev else {}
     return val, dev
 
 

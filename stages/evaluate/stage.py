@@ -265,6 +265,16 @@ def judge_verdicts(cfg: PipelineConfig, judged: pd.DataFrame, qualities: dict[st
     return metrics, False, f"no (no judge could judge: {', '.join(invalid)})", cfg.eval.judges[0].name
 
 
+def log_ceval_lineage(cfg: PipelineConfig, tracker: tracking.StageRun) -> None:
+    """Where C-Eval came from: `ceval.source`, the hub repository and revision (`ceval.repo`,
+    `ceval.revision`; `mirror` for a mirror's copy), and every CSV's sha256 in `ceval_files.json`."""
+    splits = ("val", "dev") if max(cfg.eval.ceval.shots, default=0) > 0 else ("val",)
+    found = ceval.locate(cfg.data, cfg.eval.ceval.subjects or list(ceval.SUBJECTS), splits)
+    tracker.log_params({"ceval.source": found.name, **({"ceval.repo": found.repo, "ceval.revision": found.revision}
+                                                        if found.repo else {})})
+    tracker.log_dict(found.digests(), "ceval_files.json")
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
@@ -284,6 +294,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     tasks = harness.task_manager(ev) if ev.lm_eval_tasks else None
     answers, responses, ceval_seconds, lm_eval = score_and_answer(cfg, models, rows, judging, dist.device,
                                                                   stop_point, tasks)
+    log_ceval_lineage(cfg, tracker)
     judged = pd.DataFrame()
     if judging:
         pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
