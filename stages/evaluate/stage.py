@@ -51,7 +51,7 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Local copies of the splits and of every model the evaluation reads."""
     splits_dir = tracking.download(inputs["splits"], downloads)
     local = {"splits_dir": str(splits_dir), "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
-    for name in ("policy_model", "reward_model"):
+    for name in ("policy_model", "reward_model", "final_policy_model"):
         if inputs.get(name):
             local[f"{name}_dir"] = str(tracking.download(inputs[name], downloads))
     if inputs.get("policy_model"):
@@ -196,6 +196,27 @@ def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> 
     return won, f"{'yes' if won else 'no'} ({reason})"
 
 
+def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], responses: dict[str, list], device: str,
+                       stop_point=lambda where: None) -> tuple[dict[str, float], pd.DataFrame]:
+    """PPO's final policy, when a breach after the registered policy's check kept it from the
+    registry, judged against SFT's responses as the registered one is: its judges' tallies and
+    intervals as `eval/final/judge/<name>/*`, and the judged pairs (model `final`)."""
+    stop_point("before the final policy answered the eval prompts")
+    model, tokenizer = load_lm(inputs["final_policy_model_dir"], cfg.model, device)
+    final, final_ended = respond(model, tokenizer, rows, cfg, device)
+    del model
+    pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended)
+             for r, p, s, p_ended, s_ended in zip(rows, final, responses["sft"], final_ended, responses["sft_ended"])]
+    judged = judge_all(cfg, inputs, pairs, device, stop_point)
+    metrics: dict[str, float] = {}
+    for spec in cfg.eval.judges:
+        own = judged[judged["judge"] == spec.name]
+        metrics.update({f"eval/final/judge/{spec.name}/{key}": value for key, value in tally(own).items()})
+        for name, interval in report.judge_intervals(own, cfg.statistics).items():
+            metrics.update(interval.metrics(f"eval/final/judge/{spec.name}/{name}"))
+    return metrics, judged.assign(model="final")
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
@@ -256,6 +277,11 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         metrics["eval/champion"] = float(won)
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
+    if judging and inputs.get("final_policy_model_dir"):
+        final_metrics, final_judged = judge_final_policy(cfg, inputs, rows, responses, dist.device, stop_point)
+        metrics.update(final_metrics)
+        final_judged.to_json(tracker.workdir / "final_judgements.jsonl", orient="records", lines=True, force_ascii=False)
+        tracker.log_artifact(tracker.workdir / "final_judgements.jsonl", "report")
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
     tracker.set_tags({"rlhf.champion": champion})
