@@ -36,6 +36,8 @@ from stages.evaluate import report
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
 CHAIN_STAGES = ["data", "sft", "reward", "critic"]
+BASE = "base"  # `study.gold_relabels`: the chain's data and SFT, which the gold RM trains from first
+BASE_STAGES, RELABELLED_CHAIN_STAGES = ["data", "sft"], ["reward", "critic"]
 GOLD_STAGES = ["reward"]
 ARM_STAGES = ["ppo", "eval"]
 GOLD_JUDGE = "gold"  # the gold RM's name as a judge: eval/judge/gold/...
@@ -51,8 +53,10 @@ PPO_FINAL = [("eval/score_delta", "proxy score Δ vs SFT"), ("eval/gold_score_de
 
 
 def gold_run_overrides(cfg: PipelineConfig) -> dict[str, object]:
-    """The gold RM's pipeline run: the reward stage on the gold pairs, registered apart from the proxy."""
-    return {"reward.pairs": "gold", "registry_prefix": f"{cfg.registry_prefix}-gold"}
+    """The gold RM's pipeline run: the reward stage on the gold pairs (`study.gold_reward_steps` steps),
+    registered apart from the proxy."""
+    steps = {"reward.max_steps": cfg.study.gold_reward_steps} if cfg.study.gold_reward_steps else {}
+    return {"reward.pairs": "gold", "registry_prefix": f"{cfg.registry_prefix}-gold", **steps}
 
 
 def gold_arm_overrides(cfg: PipelineConfig, gold_model: str) -> dict[str, object]:
@@ -478,14 +482,15 @@ class RewardModels:
     proxy: dict[str, float]
     gold: dict[str, float]  # {} without a gold RM
     gold_run: str | None = None
+    controlled: bool = False  # `study.gold_relabels`: the proxy learned the gold RM's labels
 
     @classmethod
-    def read(cls, chain_run: str | None, gold_run: str | None) -> "RewardModels":
+    def read(cls, chain_run: str | None, gold_run: str | None, controlled: bool = False) -> "RewardModels":
         def reward_metrics(run_id: str | None) -> dict[str, float]:
             stage = tracking.recorded_stages(tracking.client().get_run(run_id)).get("reward") if run_id else None
             return tracking.client().get_run(stage[1]).data.metrics if stage else {}
 
-        return cls(reward_metrics(chain_run), reward_metrics(gold_run), gold_run)
+        return cls(reward_metrics(chain_run), reward_metrics(gold_run), gold_run, controlled)
 
     def scales(self) -> dict[str, float]:
         """Delta metric → its RM's held-out score std, for both RMs or neither (a table in σ units
@@ -496,8 +501,9 @@ class RewardModels:
         return {DELTAS[0]: proxy, **({DELTAS[1]: gold} if gold else {})}
 
     def gold_stronger(self) -> bool:
-        """Whether the gold RM's held-out accuracy exceeds the proxy's: only then is it gold."""
-        return bool(self.gold) and self.gold.get("eval/accuracy", 0.0) > self.proxy.get("eval/accuracy", 1.0)
+        """Whether the gold RM is gold: the truth by construction in the controlled setting, else only
+        when its held-out accuracy exceeds the proxy's."""
+        return bool(self.gold) and self.controlled or bool(self.gold) and self.gold.get("eval/accuracy", 0.0) > self.proxy.get("eval/accuracy", 1.0)
 
     def label(self) -> str:
         return "gold" if not self.gold or self.gold_stronger() else "second RM"
@@ -514,11 +520,18 @@ class RewardModels:
                  " Score deltas are raw (an RM's held-out score std is missing): the two RMs' deltas do not compare.")
         if not self.gold:
             return f" Proxy RM held-out accuracy {accuracy(self.proxy)}." + units
+        if self.controlled:
+            swapped = (f"{self.proxy.get('data/relabelled_train_pairs', math.nan):.0f} training and "
+                       f"{self.proxy.get('data/relabelled_heldout_pairs', math.nan):.0f} held-out pairs swapped")
+            return (f" Controlled setting (`study.gold_relabels`, Gao et al. 2022): the gold RM (pipeline run "
+                    f"`{self.gold_run}`, held-out accuracy {accuracy(self.gold)} on human labels) labelled the "
+                    f"proxy's pairs ({swapped}), so it is the truth here; the proxy RM's held-out accuracy "
+                    f"{accuracy(self.proxy)} is its agreement with the gold RM." + units)
         verdict = ("above the proxy's: it is the gold standard here" if self.gold_stronger() else
                    "NOT above the proxy's: it is no gold standard, and the table calls it the second RM; its "
                    "verdicts are one more RM's opinion, not the truth the proxy is measured against")
-        return (f" Proxy RM held-out accuracy {accuracy(self.proxy)}; gold RM (pipeline run `{self.gold_run}`, trained "
-                f"on pairs disjoint from the proxy's) {accuracy(self.gold)}, {verdict}." + units)
+        return (f" Proxy RM held-out accuracy {accuracy(self.proxy)}. Gold RM (pipeline run `{self.gold_run}`, trained "
+                f"on pairs disjoint from the proxy's): held-out accuracy {accuracy(self.gold)}, {verdict}." + units)
 
 
 def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run: str | None,
@@ -549,7 +562,8 @@ def _results(study_id: str, cfg: PipelineConfig, arms: list[str]
     gold = runs.get(GOLD) if cfg.study.gold else None
     chain = runs.get(CHAIN)
     judge = GOLD_JUDGE if gold is not None else cfg.eval.judges[0].name if cfg.eval.judges else "reward_model"
-    models = RewardModels.read(chain.info.run_id if chain else None, gold.info.run_id if gold else None)
+    models = RewardModels.read(chain.info.run_id if chain else None, gold.info.run_id if gold else None,
+                               cfg.study.gold_relabels)
     results = collect(study_id, arms, judge)
     frame = table(results, judge, cfg.statistics.ci_level, models.scales(), models.label())
     text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, models)
@@ -563,7 +577,7 @@ def study_report(study_id: str) -> str:
     if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
     cfg, preset, overrides, _ = reopen(study_id)
-    arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD)]
+    arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD, BASE)]
     _, _, _, text, _ = _results(study_id, cfg, arms)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \

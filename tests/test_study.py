@@ -140,9 +140,17 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     folder = tracking.download(f"runs:/{study_id}/study")
     assert (folder / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
     text = (folder / "study.md").read_text()
-    assert "Gold RM (pipeline run" in text and "held-out accuracy" in text
+    assert "Gold RM (pipeline run" in text and "held-out accuracy" in text and "Proxy RM held-out accuracy" in text
+    rm_metrics = {name: client.get_run(tracking.recorded_stages(runs[name])["reward"][1]).data.metrics
+                  for name in ("chain", "gold")}
+    # Gold only if it beats the proxy on held-out accuracy; else the table calls it the second RM.
+    is_gold = rm_metrics["gold"]["eval/accuracy"] > rm_metrics["chain"]["eval/accuracy"]
+    assert ("it is the gold standard here" in text, "gold score Δ vs SFT" in text) == (is_gold, is_gold)
+    assert ("NOT above the proxy's" in text, "second RM score Δ vs SFT" in text) == (not is_gold, not is_gold)
     row = next(line for line in text.splitlines() if line.startswith("| ppo-max |"))
-    assert "across 2 seeds" in row and f"{seeds[0]:+.3f}" in row and "judge gold net win" in text
+    gold_std = rm_metrics["gold"]["eval/score_std"]  # the table's gold deltas are in the gold RM's std
+    assert "across 2 seeds" in row and f"{seeds[0] / gold_std:+.3f}" in row and "judge gold net win" in text
+    assert "gold Δ − best-of-n's at the arm's KL" in text.replace("second RM Δ", "gold Δ")
     assert any(line.startswith("| best-of-4 | 2 | n = 4 |") for line in text.splitlines())
     arms = [name for name in runs if name not in ("chain", "gold")]
     points = studies.overoptimisation_points(studies.collect(study_id, arms, "gold"))
@@ -247,3 +255,54 @@ def test_the_table_shows_the_judges_accuracy_and_length_controlled_numbers_the_e
     assert row["judge gold accuracy"] == "0.555 [0.468, 0.638]; cannot judge"
     assert row["judge gold net win, length-controlled"] == "+0.050 [-0.100, +0.200]"
     assert row["score Δ, length-controlled"] == "+0.300"
+
+
+def test_an_arm_breached_at_every_check_is_judged_on_its_final_policy(prefect_server):
+    """A KL band of 0 under `on_collapse: warn`: every check after SFT breaches, so the registered
+    policy is iteration 0's (SFT itself). The eval stage judges the final policy too, and the
+    study's row reads that one, naming its iteration, with the registered one beside it."""
+    from flows.study import study
+
+    overrides = [*FAST, "study.arms={ppo-max: {}}", "contracts.policy.max_kl=0", "ppo.on_collapse=warn",
+                 "eval.ceval.subjects=[law]", "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
+    study_id = study(preset="tiny", overrides=overrides)
+    arm = studies.arm_runs(study_id)["ppo-max"]
+    stages, client = tracking.recorded_stages(arm), tracking.client()
+    ppo = client.get_run(stages["ppo"][1])
+    assert (ppo.data.tags["rlhf.policy_iteration"], ppo.data.tags["rlhf.final_iteration"]) == ("0", "2")
+    assert tracking.outputs_of(arm.info.run_id)["final_policy_model"] == f"runs:/{ppo.info.run_id}/final_policy"
+    judged = client.get_run(stages["eval"][1]).data.metrics
+    assert judged["eval/judge/reward_model/tie_rate"] == 1.0  # the registered policy is SFT: its answers are SFT's
+    final = {key: judged[f"eval/final/judge/reward_model/{key}"] for key in ("net_win", "n", "tie_rate")}
+    assert final["n"] == judged["eval/judge/reward_model/n"] and final["tie_rate"] < 1.0
+
+    row = next(line for line in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+               .splitlines() if line.startswith("| ppo-max |"))
+    assert "| iteration 2 (final; registered: iteration 0) |" in row and "| breach at 1, 2 |" in row
+    assert f"| {final['net_win']:+.3f} [" in row and "| iteration 0: proxy Δ +0.000" in row
+    assert client.get_run(study_id).data.metrics["ppo-max/policy_iteration"] == 2.0
+
+
+def test_the_controlled_setting_trains_the_proxy_on_the_gold_rms_labels(prefect_server):
+    """`study.gold_relabels` (Gao et al. 2022's synthetic setting): data and SFT run first (`base`),
+    the gold RM trains from them, and the chain's proxy RM learns the gold RM's labels (chosen and
+    rejected swapped where the gold RM disagrees), training and held-out pairs alike."""
+    from flows.study import study
+
+    overrides = [*FAST, "study.arms={ppo-max: {}}", "study.gold=true", "study.gold_relabels=true",
+                 "data.splits.gold_rm_train=32", "data.splits.gold_rm_eval=16", "eval.ceval.subjects=[law]",
+                 "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
+    study_id = study(preset="tiny", overrides=overrides)
+    runs = studies.arm_runs(study_id)
+    assert set(runs) == {"base", "gold", "chain", "ppo-max"} and all(r.info.status == "FINISHED" for r in runs.values())
+    base, gold, chain = (tracking.outputs_of(runs[name].info.run_id) for name in ("base", "gold", "chain"))
+    assert gold["sft_model"] == chain["sft_model"] == base["sft_model"] and "reward_model" not in base
+    assert tracking.recorded_config(runs["chain"].info.run_id).reward.labels_from == gold["reward_model"]
+    reward = tracking.client().get_run(tracking.recorded_stages(runs["chain"])["reward"][1]).data.metrics
+    train, heldout = reward["data/relabelled_train_pairs"], reward["data/relabelled_heldout_pairs"]
+    assert 0 < train < 96 and 0 <= heldout <= 32  # a gold RM of 4 steps disagrees with some human labels
+    policy = version_tags(tracking.outputs_of(runs["ppo-max"].info.run_id)["policy_model"])
+    assert policy["rlhf.input.reward_model"] == chain["reward_model"] != gold["reward_model"]
+    text = tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+    assert "Controlled setting (`study.gold_relabels`" in text and f"({train:.0f} training and" in text
+    assert "gold score Δ vs SFT" in text  # the gold RM is the truth by construction
