@@ -303,6 +303,7 @@ class PPOTraining(lifecycle.TrainingStage):
         if policy is None:
             return None
         folder = self.tracker.workdir / "final_policy"
+        policy.config.use_cache = True
         policy.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
         self.tracker.log_artifacts(folder, "final_policy")
