@@ -254,14 +254,14 @@ def final_judged(r: ArmResult) -> dict[str, float]:
             if key.startswith("eval/final/")}
 
 
-def registered_policy(r: ArmResult, judge: str, scales: dict[str, float]) -> str:
+def registered_policy(r: ArmResult, judge: str, scales: dict[str, float], gold: str = "gold") -> str:
     """The registered (last passing) policy's numbers when it is not the final one: its held-out
     check's proxy and gold deltas (σ units), KL, and the eval stage's judge on it."""
     at = registered_iteration(r)
     if at == final_iteration(r):
         return "the final policy"
     parts = []
-    for curve, label, delta in (("eval/score", "proxy Δ", DELTAS[0]), (GOLD_CURVE, "gold Δ", DELTAS[1])):
+    for curve, label, delta in (("eval/score", "proxy Δ", DELTAS[0]), (GOLD_CURVE, f"{gold} Δ", DELTAS[1])):
         values = dict(r.curves.get(curve, []))
         if at in values and 0 in values:
             parts.append(f"{label} {scaled({delta: values[at] - values[0]}, scales)[delta]:+.3f}")
@@ -352,11 +352,10 @@ def table(results: list[ArmResult], judge: str, level: float = 0.95, scales: dic
         row = {"arm": arm, "seeds": len(runs),
                "iterations": (f"n = {first.best_of_n}" if first.best_of_n is not None else
                               max((s for s, _ in first.curves["eval/score"]), default=0))}
-        if first.best_of_n is None:
-            row["policy"] = "; ".join(
-                f"iteration {final_iteration(r)}" + ("" if registered_iteration(r) == final_iteration(r) else
-                                                     f" (final; registered: iteration {registered_iteration(r)})")
-                for r in runs)
+        row["policy"] = "–" if first.best_of_n is not None else "; ".join(
+            f"iteration {final_iteration(r)}" + ("" if registered_iteration(r) == final_iteration(r) else
+                                                 f" (final; registered: iteration {registered_iteration(r)})")
+            for r in runs)
         for metric, column in PPO_FINAL:
             column = column.replace("gold", gold)
             values = [f.get(metric) for f in finals]
@@ -370,13 +369,15 @@ def table(results: list[ArmResult], judge: str, level: float = 0.95, scales: dic
                                     _across_seeds(runs, gaps, level, "")) if gaps else "–"
         if first.best_of_n is not None:
             row["collapse guard"] = row["registered policy"] = row[f"judge {judge} net win"] = row["champion"] = "–"
-            row[versus] = "–"
+            if curve:
+                row[versus] = "–"
             rows.append(row)
             continue
-        row[versus] = versus_best_of_n(runs, curve, primary, scales, level)
+        if curve:  # a study with best-of-n arms
+            row[versus] = versus_best_of_n(runs, curve, primary, scales, level)
         row["collapse guard"] = "; ".join(
             f"breach at {', '.join(map(str, r.breaches))}" if r.breaches else "no breach" for r in runs)
-        row["registered policy"] = "; ".join(registered_policy(r, judge, scales) for r in runs)
+        row["registered policy"] = "; ".join(registered_policy(r, judge, scales, gold) for r in runs)
         _judge_columns(row, runs, judge, level)
         row["champion"] = ", ".join(r.champion.split(" ", 1)[0] if r.champion else "–" for r in runs)
         rows.append(row)
@@ -552,6 +553,9 @@ def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run:
              "![curves](study.png)", "", "![overoptimisation](overoptimisation.png)", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    if versus:  # the ending: one line per PPO arm, which is ahead at equal KL
+        lines += ["", f"Against best-of-n at the arm's KL ({versus.split(' − ', 1)[0]}):", ""]
+        lines += [f"- {arm}: {cell}" for arm, cell in zip(frame["arm"], frame[versus]) if cell != "–"]
     return "\n".join(lines) + "\n"
 
 
