@@ -1,5 +1,6 @@
 """The `rlhf-study` Prefect flow: one chain (data → SFT → reward → critic), with `study.gold` a
-gold reward model on the chain's gold pairs, then PPO and evaluation once per arm (and seed of
+gold reward model on the chain's gold pairs (with `study.gold_relabels` trained first, from the
+chain's data and SFT, and the proxy RM learns its labels), then PPO and evaluation once per arm (and seed of
 `study.seeds`) on the chain's artifacts, each a pipeline run (a subflow of this one) nested under
 the study's MLflow run; the best-of-n arms (a subflow); at the end the study's figures and table
 (stages/study_records.py).
@@ -60,7 +61,7 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
     if resume:
         cfg, preset, overrides, arms = studies.reopen(resume)
         study_id = resume
-        if clash := [name for name in new_arms if name in arms or name in (studies.CHAIN, studies.GOLD)]:
+        if clash := [name for name in new_arms if name in arms or name in (studies.CHAIN, studies.GOLD, studies.BASE)]:
             raise ConfigError(f"study {resume} already has an arm named {clash[0]!r}; give the new arm another name")
     else:
         overrides = _arm_overrides(overrides, {})
@@ -89,12 +90,17 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
                     study=study_id, arm=arm)
 
     try:
-        chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
-        gold_model, shared = None, {}
-        if cfg.study.gold:
-            gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), chain)
+        if cfg.study.gold_relabels:  # the gold RM first; it labels the proxy's pairs (Gao et al.'s synthetic setting)
+            base = run(studies.BASE, studies.BASE_STAGES, {}, None)
+            gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), base)
             gold_model = tracking.outputs_of(gold)["reward_model"]
-            shared = studies.gold_arm_overrides(cfg, gold_model)
+            chain = run(studies.CHAIN, studies.RELABELLED_CHAIN_STAGES, {"reward.labels_from": gold_model}, base)
+        else:
+            chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
+            gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), chain) \
+                if cfg.study.gold else None
+            gold_model = tracking.outputs_of(gold)["reward_model"] if gold else None
+        shared = studies.gold_arm_overrides(cfg, gold_model) if gold_model else {}
         names = []
         for name, arm in arms.items():
             for seeded_name, seeded_arm in studies.seeded(name, arm, cfg.study.seeds).items():

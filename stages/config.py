@@ -272,6 +272,12 @@ class RewardConfig(_PromptAnswerSection):
                              "PPO optimises; `gold` gold_rm_train (judged on gold_rm_eval), a gold RM on pairs "
                              "disjoint from the proxy's that judges the policy (Gao et al. 2022, `study.gold`). "
                              "ours: proxy, the one reward model a pipeline run trains.")
+    labels_from: str | None = Field(
+        None, description="A reward model (model or artifact URI, local folder; it shares the SFT model's tokenizer) "
+                          "whose preferences label the pairs, training and held-out: chosen and rejected swap where "
+                          "it scores the rejected answer higher. Gao et al. 2022's synthetic setting, where the gold "
+                          "RM labels the proxy's data so that proxy and gold are measured against a known truth "
+                          "(`study.gold_relabels`). ours: None, the human labels.")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
@@ -872,6 +878,18 @@ class StudyConfig(_Section):
                            "champion. Gao et al. 2022's setup: a proxy RM judging its own optimisation cannot tell a "
                            "better policy from a hacked one. Ours: the gold RM has the proxy's size and recipe, on "
                            "other pairs (Gao et al.'s gold RM is larger).")
+    gold_reward_steps: int | None = Field(
+        None, ge=1, description="reward.max_steps of the gold reward model's run: a gold RM must judge better than "
+                                "the proxy it checks (Gao et al. 2022: the gold RM is the stronger one), so it may "
+                                "train longer. The study calls it gold only when its held-out accuracy exceeds the "
+                                "proxy's. None: the proxy's reward.max_steps.")
+    gold_relabels: bool = Field(
+        False, description="Gao et al. 2022's controlled setting (with `gold`): the gold RM trains first and labels "
+                           "the proxy RM's pairs (reward.labels_from: chosen and rejected swapped where the gold RM "
+                           "disagrees), so the proxy learns the gold RM's preferences and every proxy-vs-gold curve "
+                           "is measured against a known truth. The chain then runs as `base` (data, SFT), `gold`, "
+                           "and `chain` (reward on the relabelled pairs, critic). False: both RMs learn the human "
+                           "labels.")
     seeds: list[int] = Field(
         [], description="Run every arm once per seed (ppo.seed) on the same chain; the table gives each arm's deltas "
                         "with a Student-t interval across seeds and the per-seed values, so a claim is over training "
@@ -880,6 +898,12 @@ class StudyConfig(_Section):
         [], description="Best-of-n arms (stages/best_of_n.py): n answers of the SFT model per held-out prompt, the "
                         "proxy RM's favourite kept, no training; KL to SFT log n − (n−1)/n (Stiennon et al. 2020, "
                         "Gao et al. 2022). Gao et al.'s n: 1 to 60,000; empty: none.")
+
+    @model_validator(mode="after")
+    def _relabels_need_gold(self) -> StudyConfig:
+        if self.gold_relabels and not self.gold:
+            raise ValueError("study.gold_relabels: the gold RM relabels the proxy's pairs; set study.gold too")
+        return self
 
     @field_validator("best_of_n")
     @classmethod

@@ -45,6 +45,7 @@ class Finish:
     tags: dict[str, str] = field(default_factory=dict)  # set on the stage's run before publishing
     report: Callable[[Any], None] | None = None  # further logging on the stage's run, last (tables, figures)
     folders: tuple[Path, ...] = ()  # deleted with the checkpoints (PPO's collapse-guard passing point)
+    outputs: dict[str, str] = field(default_factory=dict)  # further outputs of the stage (main rank)
 
 
 class StepInterrupted(Exception):
@@ -154,7 +155,7 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
         published = {} if end.save is None else tracker.publish_model(
             end.save, cfg=cfg, inputs=inputs, pack=end.pack, inspect=end.inspect, lineage=end.lineage)
         outputs = {**published, f"{stage.name}_run": tracker.run_id,
-                   end.probe_name: tracker.log_probe(end.probe(), end.probe_name)}
+                   end.probe_name: tracker.log_probe(end.probe(), end.probe_name), **end.outputs}
         if end.report is not None:
             end.report(tracker)
     dist.barrier()

@@ -127,7 +127,9 @@ for _stage in (
     # ppo reads contracts.policy: the live collapse guard checks its bands at each held-out evaluation.
     Stage("ppo", "stages.ppo.stage", config=(*PIPELINE, "critic", "ppo", "contracts.policy", "statistics"),
           inputs=("splits", "sft_model", "reward_model", "critic_model"), optional_inputs=("critic_model",),
-          outputs=("policy_model", "policy_model_artifact", "policy_probe"), registers="policy", model_output="policy_model",
+          # final_policy_model: the final policy when a breach came after the registered one's check, else ""
+          outputs=("policy_model", "policy_model_artifact", "policy_probe", "final_policy_model"), registers="policy",
+          model_output="policy_model",
           contract={"policy": "policy_probe"}, resumes=True,
           # held out, before → after; the paired delta to SFT with its interval
           headline=("eval/score", "eval/score_delta", "eval/score_delta_lc", "eval/kl", "eval/response_length",
@@ -135,8 +137,8 @@ for _stage in (
     # eval reads `reward`: the lengths the score judge reads; `statistics`: the intervals the champion rests on;
     # `contracts.eval`: which judges can judge (the champion's judge is the first of them).
     Stage("eval", "stages.evaluate.stage", config=("model", "data", "reward", "eval", "statistics", "contracts.eval"),
-          inputs=("splits", "sft_model", "reward_model", "policy_model"),
-          optional_inputs=("reward_model", "policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
+          inputs=("splits", "sft_model", "reward_model", "policy_model", "final_policy_model"),
+          optional_inputs=("reward_model", "policy_model", "final_policy_model"), outputs=("eval_probe", "eval_report", "eval_summary"),
           contract={"evaluation": "eval_probe", "judge": "eval_probe"},
           headline=("eval/judge/*/accuracy", "eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate",
                     "eval/judge/*/n", "eval/judge/*/net_win", "eval/judge/*/net_win_lc", "eval/ceval_*shot/overall/delta",

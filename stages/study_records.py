@@ -36,6 +36,8 @@ from stages.evaluate import report
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
 CHAIN_STAGES = ["data", "sft", "reward", "critic"]
+BASE = "base"  # `study.gold_relabels`: the chain's data and SFT, which the gold RM trains from first
+BASE_STAGES, RELABELLED_CHAIN_STAGES = ["data", "sft"], ["reward", "critic"]
 GOLD_STAGES = ["reward"]
 ARM_STAGES = ["ppo", "eval"]
 GOLD_JUDGE = "gold"  # the gold RM's name as a judge: eval/judge/gold/...
@@ -51,8 +53,10 @@ PPO_FINAL = [("eval/score_delta", "proxy score Δ vs SFT"), ("eval/gold_score_de
 
 
 def gold_run_overrides(cfg: PipelineConfig) -> dict[str, object]:
-    """The gold RM's pipeline run: the reward stage on the gold pairs, registered apart from the proxy."""
-    return {"reward.pairs": "gold", "registry_prefix": f"{cfg.registry_prefix}-gold"}
+    """The gold RM's pipeline run: the reward stage on the gold pairs (`study.gold_reward_steps` steps),
+    registered apart from the proxy."""
+    steps = {"reward.max_steps": cfg.study.gold_reward_steps} if cfg.study.gold_reward_steps else {}
+    return {"reward.pairs": "gold", "registry_prefix": f"{cfg.registry_prefix}-gold", **steps}
 
 
 def gold_arm_overrides(cfg: PipelineConfig, gold_model: str) -> dict[str, object]:
@@ -195,6 +199,21 @@ def collect(study_id: str, arms: list[str], judge: str) -> list[ArmResult]:
     return results
 
 
+DELTAS = ("eval/score_delta", "eval/gold_score_delta")  # the two RMs' deltas, each in units of its RM's std
+
+
+def scaled(metrics: dict[str, float], scales: dict[str, float]) -> dict[str, float]:
+    """`metrics` with each RM's score delta (and its interval) in units of that RM's held-out score
+    std (`scales`: delta metric → std). Each RM's scale is its own training's (the pairwise loss
+    fixes neither shift nor scale): raw deltas of two RMs are not comparable, σ units are."""
+    out = dict(metrics)
+    for name, std in scales.items():
+        for key in (name, f"{name}_ci_low", f"{name}_ci_high"):
+            if key in out and std and math.isfinite(std) and std > 0:
+                out[key] = out[key] / std
+    return out
+
+
 def _with_ci(metrics: dict[str, float], name: str) -> str:
     if name not in metrics:
         return "–"
@@ -203,7 +222,7 @@ def _with_ci(metrics: dict[str, float], name: str) -> str:
     return value if low is None else f"{value} [{low:+.3f}, {high:+.3f}]"
 
 
-def _across_seeds(runs: list[ArmResult], values: list[float | None], level: float, single: str) -> str:
+def _across_seeds(runs: list, values: list[float | None], level: float, single: str) -> str:
     """One run: `single` (its interval over prompts); several: the mean with its Student-t interval
     across the runs, and each run's value."""
     if len(runs) == 1:
@@ -215,64 +234,178 @@ def _across_seeds(runs: list[ArmResult], values: list[float | None], level: floa
     return f"{interval} across {len(present)} seeds ({', '.join(f'{v:+.3f}' for v in present)})"
 
 
-def table(results: list[ArmResult], judge: str, level: float = 0.95) -> pd.DataFrame:
-    """One row per arm (its seeds together): the last held-out evaluation's paired deltas to SFT on
-    the proxy RM and on the gold RM, with their intervals (over prompts for one run, across seeds
-    for several, with each seed's value), how far proxy and gold diverge, the guard's verdict, and
-    the eval stage's judge (on the registered policy) with its interval. A best-of-n arm's row
-    reads its kept answers (no guard, no eval stage)."""
+def final_iteration(r: ArmResult) -> int:
+    """The iteration of the PPO stage's last held-out check: the policy its last numbers describe."""
+    tagged = r.tags.get("rlhf.final_iteration")
+    return int(tagged) if tagged else max((s for s, _ in r.curves.get("eval/score", [])), default=0)
+
+
+def registered_iteration(r: ArmResult) -> int:
+    return int(r.tags.get("rlhf.policy_iteration", final_iteration(r)))
+
+
+def final_judged(r: ArmResult) -> dict[str, float]:
+    """The eval stage's numbers on the final policy, under the registered policy's names: the
+    registered policy's own when it is the final one, `eval/final/*` when a later breach kept the
+    final policy from the registry, else none (an eval stage that judged only the registered one)."""
+    if registered_iteration(r) == final_iteration(r):
+        return r.eval_metrics
+    return {key.replace("eval/final/", "eval/", 1): value for key, value in r.eval_metrics.items()
+            if key.startswith("eval/final/")}
+
+
+def registered_policy(r: ArmResult, judge: str, scales: dict[str, float], gold: str = "gold") -> str:
+    """The registered (last passing) policy's numbers when it is not the final one: its held-out
+    check's proxy and gold deltas (σ units), KL, and the eval stage's judge on it."""
+    at = registered_iteration(r)
+    if at == final_iteration(r):
+        return "the final policy"
+    parts = []
+    for curve, label, delta in (("eval/score", "proxy Δ", DELTAS[0]), (GOLD_CURVE, f"{gold} Δ", DELTAS[1])):
+        values = dict(r.curves.get(curve, []))
+        if at in values and 0 in values:
+            parts.append(f"{label} {scaled({delta: values[at] - values[0]}, scales)[delta]:+.3f}")
+    kl = dict(r.curves.get("eval/kl", []))
+    if at in kl:
+        parts.append(f"KL {kl[at]:.3f}")
+    net_win = f"eval/judge/{judge}/net_win"
+    if net_win in r.eval_metrics:
+        parts.append(f"judge {judge} net win {_with_ci(r.eval_metrics, net_win)}")
+    return f"iteration {at}: {', '.join(parts)}" if parts else f"iteration {at}"
+
+
+def best_of_n_curve(results: list[ArmResult], metric: str, scales: dict[str, float]) -> list[tuple[float, float]]:
+    """Best-of-n's (KL, `metric`) per n, each the mean over its seeds, in order of KL."""
+    by_n: dict[int, list[tuple[float, float]]] = {}
+    for r in (r for r in results if r.best_of_n is not None):
+        final = scaled(r.final, scales)
+        if metric in final and "eval/kl" in final:
+            by_n.setdefault(r.best_of_n, []).append((final["eval/kl"], final[metric]))
+    return sorted((float(np.mean([k for k, _ in v])), float(np.mean([m for _, m in v]))) for v in by_n.values())
+
+
+def versus_best_of_n(runs: list[ArmResult], curve: list[tuple[float, float]], metric: str,
+                     scales: dict[str, float], level: float) -> str:
+    """A PPO arm against best-of-n at the arm's KL: each seed's `metric` minus best-of-n's,
+    interpolated linearly in KL between its n (outside their range: its nearest n, said so),
+    the mean with its interval across seeds, and which is ahead."""
+    if not curve:
+        return "–"
+    kls, values = zip(*curve)
+    gaps, outside = [], False
+    for r in runs:
+        final = scaled(r.final, scales)
+        if metric in final and "eval/kl" in final:
+            outside |= not kls[0] <= final["eval/kl"] <= kls[-1]
+            gaps.append(final[metric] - float(np.interp(final["eval/kl"], kls, values)))
+    if not gaps:
+        return "–"
+    interval = stats.across_runs(gaps, level)
+    ahead = (f"PPO {'ahead' if interval.estimate > 0 else 'behind'} on one seed (no interval)" if len(gaps) == 1
+             else "PPO ahead" if interval.low > 0 else "best-of-n ahead" if interval.high < 0 else
+             "neither ahead (the interval holds 0)")
+    beyond = f"; KL beyond best-of-n's range [{kls[0]:.2f}, {kls[-1]:.2f}], its nearest n" if outside else ""
+    spread = f" across {len(gaps)} seeds" if len(gaps) > 1 else ""
+    return f"{interval}{spread}: {ahead}{beyond}"
+
+
+def _judge_columns(row: dict, runs: list[ArmResult], judge: str, level: float) -> None:
+    """The eval stage's judge on the final policy (net win, and the length-controlled net win and
+    score delta where the eval stage logs them) and the judge's own held-out accuracy."""
+    judged = [final_judged(r) for r in runs]
+    for name, column in ((f"eval/judge/{judge}/net_win", f"judge {judge} net win"),
+                         (f"eval/judge/{judge}/net_win_lc", f"judge {judge} net win, length-controlled"),
+                         ("eval/score_delta_lc", "score Δ, length-controlled")):
+        if column.endswith("net win") or any(name in m for m in judged):
+            row[column] = _across_seeds(runs, [m.get(name) for m in judged], level, _with_ci(judged[0], name))
+    accuracy = f"eval/judge/{judge}/accuracy"
+    if any(accuracy in r.eval_metrics for r in runs):
+        first = runs[0].eval_metrics
+        low, high = first.get(f"{accuracy}_ci_low"), first.get(f"{accuracy}_ci_high")
+        can = first.get(f"eval/judge/{judge}/can_judge")
+        row[f"judge {judge} accuracy"] = (f"{first[accuracy]:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None
+                                                                     else "") +
+                                          ("" if can is None else "; can judge" if can else "; cannot judge"))
+
+
+def table(results: list[ArmResult], judge: str, level: float = 0.95, scales: dict[str, float] | None = None,
+          gold: str = "gold") -> pd.DataFrame:
+    """One row per arm (its seeds together), every number of one policy, the one the row names:
+    the final policy's held-out deltas to SFT on the proxy RM and on the gold RM (each in units of
+    its RM's held-out score std, `scales`; raw without), with their intervals (over prompts for one
+    run, across seeds for several, with each seed's value), how far proxy and gold diverge, the
+    comparison with best-of-n at the arm's KL, the guard's verdict, the eval stage's judge on the
+    final policy, and the registered policy's numbers beside them when a breach kept the final one
+    from the registry. A best-of-n arm's row reads its kept answers (no guard, no eval stage).
+    `gold`: the label of the second RM's columns (it is not called gold unless it beats the proxy)."""
+    scales = scales or {}
     groups: dict[str, list[ArmResult]] = {}
     for r in results:
         groups.setdefault(r.arm or r.name, []).append(r)
+    primary = DELTAS[1] if any(DELTAS[1] in r.final for r in results) else DELTAS[0]
+    curve = best_of_n_curve(results, primary, scales)
+    versus = f"{gold if primary == DELTAS[1] else 'proxy'} Δ − best-of-n's at the arm's KL"
     rows = []
     for arm, runs in groups.items():
         first = runs[0]
+        finals = [scaled(r.final, scales) for r in runs]
         row = {"arm": arm, "seeds": len(runs),
                "iterations": (f"n = {first.best_of_n}" if first.best_of_n is not None else
                               max((s for s, _ in first.curves["eval/score"]), default=0))}
+        row["policy"] = "–" if first.best_of_n is not None else "; ".join(
+            f"iteration {final_iteration(r)}" + ("" if registered_iteration(r) == final_iteration(r) else
+                                                 f" (final; registered: iteration {registered_iteration(r)})")
+            for r in runs)
         for metric, column in PPO_FINAL:
-            values = [r.final.get(metric) for r in runs]
+            column = column.replace("gold", gold)
+            values = [f.get(metric) for f in finals]
             if metric.endswith("_delta"):
-                row[column] = _across_seeds(runs, values, level, _with_ci(first.final, metric))
+                row[column] = _across_seeds(runs, values, level, _with_ci(finals[0], metric))
             else:
                 present = [v for v in values if v is not None]
                 row[column] = f"{np.mean(present):.3f}" if present else "–"
-        gaps = [r.final["eval/score_delta"] - r.final["eval/gold_score_delta"] for r in runs
-                if "eval/gold_score_delta" in r.final and "eval/score_delta" in r.final]
-        row["proxy − gold Δ"] = (f"{np.mean(gaps):+.3f}" if len(runs) == 1 or not gaps else
-                                 _across_seeds(runs, gaps, level, "")) if gaps else "–"
+        gaps = [f[DELTAS[0]] - f[DELTAS[1]] for f in finals if DELTAS[0] in f and DELTAS[1] in f]
+        row[f"proxy − {gold} Δ"] = (f"{np.mean(gaps):+.3f}" if len(runs) == 1 or not gaps else
+                                    _across_seeds(runs, gaps, level, "")) if gaps else "–"
         if first.best_of_n is not None:
-            row["collapse guard"] = row[f"judge {judge} net win"] = row["champion"] = "–"
+            row["collapse guard"] = row["registered policy"] = row[f"judge {judge} net win"] = row["champion"] = "–"
+            if curve:
+                row[versus] = "–"
             rows.append(row)
             continue
+        if curve:  # a study with best-of-n arms
+            row[versus] = versus_best_of_n(runs, curve, primary, scales, level)
         row["collapse guard"] = "; ".join(
-            (f"breach at {', '.join(map(str, r.breaches))}; policy of iteration "
-             f"{r.tags.get('rlhf.policy_iteration', '?')}" if r.breaches else "no breach") for r in runs)
-        net_win = f"eval/judge/{judge}/net_win"
-        row[f"judge {judge} net win"] = _across_seeds(runs, [r.eval_metrics.get(net_win) for r in runs], level,
-                                                       _with_ci(first.eval_metrics, net_win))
+            f"breach at {', '.join(map(str, r.breaches))}" if r.breaches else "no breach" for r in runs)
+        row["registered policy"] = "; ".join(registered_policy(r, judge, scales, gold) for r in runs)
+        _judge_columns(row, runs, judge, level)
         row["champion"] = ", ".join(r.champion.split(" ", 1)[0] if r.champion else "–" for r in runs)
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def overoptimisation_points(results: list[ArmResult]) -> dict[str, list[tuple[float, float, float | None]]]:
+def overoptimisation_points(results: list[ArmResult], scales: dict[str, float] | None = None
+                            ) -> dict[str, list[tuple[float, float, float | None]]]:
     """Gao et al. 2022's Fig. 1 coordinates per arm: (√KL to SFT, proxy score − SFT's, gold score −
-    SFT's) at every held-out check of a PPO arm, and for best-of-n one point per n; each the mean
-    over the arm's seeds (at each iteration, or n)."""
+    SFT's), each score in units of its RM's held-out std (`scales`; raw without), at every held-out
+    check of a PPO arm, and for best-of-n one point per n; each the mean over the arm's seeds (at
+    each iteration, or n)."""
+    scales = scales or {}
     cells: dict[str, dict[float, list[tuple[float, float, float | None]]]] = {}
     for r in results:
         if r.best_of_n is not None:
-            gold = r.final.get("eval/gold_score_delta")
+            final = scaled(r.final, scales)
             cells.setdefault("best-of-n", {}).setdefault(r.best_of_n, []).append(
-                (r.final["eval/kl"], r.final["eval/score_delta"], gold))
+                (final["eval/kl"], final[DELTAS[0]], final.get(DELTAS[1])))
             continue
         kl, proxy, gold = (dict(r.curves.get(m, [])) for m in ("eval/kl", "eval/score", GOLD_CURVE))
         if 0 not in proxy:
             continue
         for step in sorted(set(kl) & set(proxy)):
+            point = scaled({DELTAS[0]: proxy[step] - proxy[0],
+                            **({DELTAS[1]: gold[step] - gold[0]} if step in gold and 0 in gold else {})}, scales)
             cells.setdefault(r.arm or r.name, {}).setdefault(step, []).append(
-                (kl[step], proxy[step] - proxy[0], gold[step] - gold[0] if step in gold and 0 in gold else None))
+                (kl[step], point[DELTAS[0]], point.get(DELTAS[1])))
     out = {}
     for arm, by_step in cells.items():
         points = []
@@ -284,26 +417,34 @@ def overoptimisation_points(results: list[ArmResult]) -> dict[str, list[tuple[fl
     return out
 
 
-def overoptimisation_figure(results: list[ArmResult], path: Path, title: str) -> None:
-    """Gao et al. 2022's Fig. 1 form: proxy (dashed) and gold (solid) RM score gained over SFT
-    against √KL to SFT, every arm (PPO at each held-out check, best-of-n at each n) on one plot."""
+KL_REFERENCES = ("KL references differ: PPO's is the tempered policy's against SFT's at the sampling temperature "
+                 "over the whole vocabulary (eval/kl), best-of-n's is log n − (n−1)/n against the SFT sampler "
+                 "itself (temperature and top-p).")
+
+
+def overoptimisation_figure(results: list[ArmResult], path: Path, title: str,
+                            scales: dict[str, float] | None = None) -> None:
+    """Gao et al. 2022's Fig. 1 form: proxy (dashed) and gold (solid) RM score gained over SFT, each
+    in units of its RM's held-out score std, against √KL to SFT, every arm (PPO at each held-out
+    check, best-of-n at each n) on one plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # deferred: matplotlib, for the figure only
     from matplotlib.figure import Figure  # deferred: as above
 
-    fig = Figure(figsize=(6.4, 4.4), dpi=100)
+    fig = Figure(figsize=(6.4, 4.8), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for arm, points in overoptimisation_points(results).items():
+    for arm, points in overoptimisation_points(results, scales).items():
         x, proxy, gold = zip(*points)
         (line,) = ax.plot(x, proxy, linestyle="--", marker="o", markersize=3, label=f"{arm}: proxy")
         if all(g is not None for g in gold):
             ax.plot(x, gold, linestyle="-", marker="s", markersize=3, color=line.get_color(), label=f"{arm}: gold")
     ax.axhline(0.0, color="grey", linewidth=0.5)
     ax.set_xlabel("√KL to SFT (√nats)")
-    ax.set_ylabel("RM score − SFT's")
+    ax.set_ylabel("RM score − SFT's (each RM's held-out std)" if scales else "RM score − SFT's (raw)")
     ax.legend(fontsize=7)
     ax.set_title(f"{title}: proxy vs gold reward (Gao et al. 2022, Fig. 1)", fontsize=9)
-    fig.tight_layout()
+    fig.text(0.01, 0.01, KL_REFERENCES, fontsize=6, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path)
 
 
@@ -334,45 +475,103 @@ def figure(results: list[ArmResult], path: Path, title: str) -> None:
     fig.savefig(path)
 
 
-def gold_accuracy(gold_run: str | None) -> str:
-    """The gold RM's held-out accuracy with its interval, from its reward stage's run."""
-    if gold_run is None:
-        return ""
-    stage = tracking.recorded_stages(tracking.client().get_run(gold_run)).get("reward")
-    if stage is None:
-        return ""
-    metrics = tracking.client().get_run(stage[1]).data.metrics
-    low, high = metrics.get("eval/accuracy_ci_low"), metrics.get("eval/accuracy_ci_high")
-    return (f" Gold RM (pipeline run `{gold_run}`, trained on pairs disjoint from the proxy's): held-out accuracy "
-            f"{metrics.get('eval/accuracy', float('nan')):.3f} [{low:.3f}, {high:.3f}].")
+@dataclass
+class RewardModels:
+    """The study's two reward models as the table reads them: each one's held-out accuracy (with
+    its interval) and score std, from its reward stage's run."""
+
+    proxy: dict[str, float]
+    gold: dict[str, float]  # {} without a gold RM
+    gold_run: str | None = None
+    controlled: bool = False  # `study.gold_relabels`: the proxy learned the gold RM's labels
+
+    @classmethod
+    def read(cls, chain_run: str | None, gold_run: str | None, controlled: bool = False) -> "RewardModels":
+        def reward_metrics(run_id: str | None) -> dict[str, float]:
+            stage = tracking.recorded_stages(tracking.client().get_run(run_id)).get("reward") if run_id else None
+            return tracking.client().get_run(stage[1]).data.metrics if stage else {}
+
+        return cls(reward_metrics(chain_run), reward_metrics(gold_run), gold_run, controlled)
+
+    def scales(self) -> dict[str, float]:
+        """Delta metric → its RM's held-out score std, for both RMs or neither (a table in σ units
+        for one and raw for the other would mix scales again)."""
+        proxy, gold = self.proxy.get("eval/score_std"), self.gold.get("eval/score_std")
+        if not proxy or (self.gold and not gold):
+            return {}
+        return {DELTAS[0]: proxy, **({DELTAS[1]: gold} if gold else {})}
+
+    def gold_stronger(self) -> bool:
+        """Whether the gold RM is gold: the truth by construction in the controlled setting, else only
+        when its held-out accuracy exceeds the proxy's."""
+        return bool(self.gold) and self.controlled or bool(self.gold) and self.gold.get("eval/accuracy", 0.0) > self.proxy.get("eval/accuracy", 1.0)
+
+    def label(self) -> str:
+        return "gold" if not self.gold or self.gold_stronger() else "second RM"
+
+    def sentence(self) -> str:
+        """What the table says about its RMs: both accuracies, whether the gold RM is gold, the units."""
+        def accuracy(metrics: dict[str, float]) -> str:
+            low, high = metrics.get("eval/accuracy_ci_low", math.nan), metrics.get("eval/accuracy_ci_high", math.nan)
+            return f"{metrics.get('eval/accuracy', math.nan):.3f} [{low:.3f}, {high:.3f}]"
+
+        units = (" Score deltas are in units of each RM's held-out score std (proxy "
+                 f"{self.proxy['eval/score_std']:.4g}" + (f", gold {self.gold['eval/score_std']:.4g}" if self.gold else "")
+                 + "), so the two RMs' deltas compare." if self.scales() else
+                 " Score deltas are raw (an RM's held-out score std is missing): the two RMs' deltas do not compare.")
+        if not self.gold:
+            return f" Proxy RM held-out accuracy {accuracy(self.proxy)}." + units
+        if self.controlled:
+            swapped = (f"{self.proxy.get('data/relabelled_train_pairs', math.nan):.0f} training and "
+                       f"{self.proxy.get('data/relabelled_heldout_pairs', math.nan):.0f} held-out pairs swapped")
+            return (f" Controlled setting (`study.gold_relabels`, Gao et al. 2022): the gold RM (pipeline run "
+                    f"`{self.gold_run}`, held-out accuracy {accuracy(self.gold)} on human labels) labelled the "
+                    f"proxy's pairs ({swapped}), so it is the truth here; the proxy RM's held-out accuracy "
+                    f"{accuracy(self.proxy)} is its agreement with the gold RM." + units)
+        verdict = ("above the proxy's: it is the gold standard here" if self.gold_stronger() else
+                   "NOT above the proxy's: it is no gold standard, and the table calls it the second RM; its "
+                   "verdicts are one more RM's opinion, not the truth the proxy is measured against")
+        return (f" Proxy RM held-out accuracy {accuracy(self.proxy)}. Gold RM (pipeline run `{self.gold_run}`, trained "
+                f"on pairs disjoint from the proxy's): held-out accuracy {accuracy(self.gold)}, {verdict}." + units)
 
 
 def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run: str | None,
-             gold_run: str | None = None) -> str:
+             models: RewardModels | None = None) -> str:
     columns = list(frame.columns)
     seeds = (f" Arms with several seeds (`study.seeds`): the mean over seeds with its {cfg.statistics.ci_level:.0%} "
              f"Student-t interval across them, and each seed's value." if cfg.study.seeds else "")
+    versus = next((c for c in columns if c.endswith("best-of-n's at the arm's KL")), None)
+    best_of_n = (f" `{versus}`: the arm's delta minus best-of-n's interpolated linearly in KL at the arm's KL, with "
+                 f"its interval across the arm's seeds. {KL_REFERENCES}" if versus else "")
     lines = [f"# Study `{study_id}`: {' vs '.join(frame['arm'])}", "",
              f"Preset `{cfg.preset}`; shared chain: pipeline run `{chain_run}`; {cfg.ppo.heldout_prompts} held-out "
-             f"prompts per PPO evaluation, {cfg.eval.heldout_prompts} judged in the eval stage. Δ: policy − SFT on the "
+             f"prompts per PPO evaluation, {cfg.eval.heldout_prompts} judged in the eval stage. Every number of a row "
+             f"describes the policy its `policy` column names (the final one); the registered (last passing) policy's "
+             f"numbers stand beside them when a breach kept the final one from the registry. Δ: policy − SFT on the "
              f"same prompts, mean with its {cfg.statistics.ci_level:.0%} paired bootstrap interval.{seeds}"
-             f"{gold_accuracy(gold_run)} Best-of-n: KL to SFT is log n − (n−1)/n.", "",
+             f"{models.sentence() if models else ''} Best-of-n: KL to SFT is log n − (n−1)/n.{best_of_n}", "",
              "![curves](study.png)", "", "![overoptimisation](overoptimisation.png)", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    if versus:  # the ending: one line per PPO arm, which is ahead at equal KL
+        lines += ["", f"Against best-of-n at the arm's KL ({versus.split(' − ', 1)[0]}):", ""]
+        lines += [f"- {arm}: {cell}" for arm, cell in zip(frame["arm"], frame[versus]) if cell != "–"]
     return "\n".join(lines) + "\n"
 
 
-def _results(study_id: str, cfg: PipelineConfig, arms: list[str]) -> tuple[list[ArmResult], pd.DataFrame, str, str]:
-    """(the arms' results, the table, the judge it reads, its markdown), all from MLflow."""
+def _results(study_id: str, cfg: PipelineConfig, arms: list[str]
+             ) -> tuple[list[ArmResult], pd.DataFrame, str, str, dict[str, float]]:
+    """(the arms' results, the table, the judge it reads, its markdown, the RMs' scales), all from MLflow."""
     runs = arm_runs(study_id)
     gold = runs.get(GOLD) if cfg.study.gold else None
-    judge = GOLD_JUDGE if gold is not None else cfg.eval.judges[0].name if cfg.eval.judges else "reward_model"
-    results = collect(study_id, arms, judge)
-    frame = table(results, judge, cfg.statistics.ci_level)
     chain = runs.get(CHAIN)
-    text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, gold.info.run_id if gold else None)
-    return results, frame, judge, text
+    judge = GOLD_JUDGE if gold is not None else cfg.eval.judges[0].name if cfg.eval.judges else "reward_model"
+    models = RewardModels.read(chain.info.run_id if chain else None, gold.info.run_id if gold else None,
+                               cfg.study.gold_relabels)
+    results = collect(study_id, arms, judge)
+    frame = table(results, judge, cfg.statistics.ci_level, models.scales(), models.label())
+    text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, models)
+    return results, frame, judge, text, models.scales()
 
 
 def study_report(study_id: str) -> str:
@@ -382,8 +581,8 @@ def study_report(study_id: str) -> str:
     if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
     cfg, preset, overrides, _ = reopen(study_id)
-    arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD)]
-    _, _, _, text = _results(study_id, cfg, arms)
+    arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD, BASE)]
+    _, _, _, text, _ = _results(study_id, cfg, arms)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
         else platform.processor()
@@ -398,10 +597,10 @@ def study_report(study_id: str) -> str:
 def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> str:
     """The study's figure, table and headline metrics on its run; returns the markdown."""
     mlflow_client = tracking.client()
-    results, frame, judge, text = _results(study_id, cfg, arms)
+    results, frame, judge, text, scales = _results(study_id, cfg, arms)
     out.mkdir(parents=True, exist_ok=True)
     figure(results, out / "study.png", tracking.study_title(cfg.preset))
-    overoptimisation_figure(results, out / "overoptimisation.png", tracking.study_title(cfg.preset))
+    overoptimisation_figure(results, out / "overoptimisation.png", tracking.study_title(cfg.preset), scales)
     (out / "study.md").write_text(text)
     (out / "study.html").write_text(report.html(text, out))  # MLflow's artifact view shows its figure
     frame.to_csv(out / "study.csv", index=False)
@@ -409,9 +608,14 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
     from mlflow.entities import Metric  # deferred: MLflow, as in stages.tracking
 
     now = int(time.time() * 1000)
+    # Each arm's final policy: its last held-out check (raw, and each RM's delta in its std units as
+    # `<delta>_std_units`) and the eval stage's judge on that same policy.
     metrics = [Metric(f"{r.name}/{name}", value, now, 0) for r in results
                for name, value in {**{m: r.final[m] for m, _ in PPO_FINAL if m in r.final},
-                                   **{k: v for k, v in r.eval_metrics.items() if k.startswith(f"eval/judge/{judge}/")}
+                                   **{f"{m}_std_units": v for m, v in scaled(r.final, scales).items()
+                                      if m in scales},
+                                   **{k: v for k, v in final_judged(r).items() if k.startswith(f"eval/judge/{judge}/")},
+                                   **({"policy_iteration": float(final_iteration(r))} if r.best_of_n is None else {})
                                    }.items()]
     for arm in dict.fromkeys(r.arm for r in results):  # an arm's seeds together: the interval across them
         runs = [r for r in results if r.arm == arm]

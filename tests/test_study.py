@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from pipeline_helpers import version_tags
 
 from stages import study_records as studies
-from stages import tracking
+from stages import stats, tracking
 from stages.config import ConfigError, load_config
 
 FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
@@ -140,9 +141,17 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     folder = tracking.download(f"runs:/{study_id}/study")
     assert (folder / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
     text = (folder / "study.md").read_text()
-    assert "Gold RM (pipeline run" in text and "held-out accuracy" in text
+    assert "Gold RM (pipeline run" in text and "held-out accuracy" in text and "Proxy RM held-out accuracy" in text
+    rm_metrics = {name: client.get_run(tracking.recorded_stages(runs[name])["reward"][1]).data.metrics
+                  for name in ("chain", "gold")}
+    # Gold only if it beats the proxy on held-out accuracy; else the table calls it the second RM.
+    is_gold = rm_metrics["gold"]["eval/accuracy"] > rm_metrics["chain"]["eval/accuracy"]
+    assert ("it is the gold standard here" in text, "gold score Δ vs SFT" in text) == (is_gold, is_gold)
+    assert ("NOT above the proxy's" in text, "second RM score Δ vs SFT" in text) == (not is_gold, not is_gold)
     row = next(line for line in text.splitlines() if line.startswith("| ppo-max |"))
-    assert "across 2 seeds" in row and f"{seeds[0]:+.3f}" in row and "judge gold net win" in text
+    gold_std = rm_metrics["gold"]["eval/score_std"]  # the table's gold deltas are in the gold RM's std
+    assert "across 2 seeds" in row and f"{seeds[0] / gold_std:+.3f}" in row and "judge gold net win" in text
+    assert "gold Δ − best-of-n's at the arm's KL" in text.replace("second RM Δ", "gold Δ")
     assert any(line.startswith("| best-of-4 | 2 | n = 4 |") for line in text.splitlines())
     arms = [name for name in runs if name not in ("chain", "gold")]
     points = studies.overoptimisation_points(studies.collect(study_id, arms, "gold"))
@@ -163,3 +172,138 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert "command: `rlhf study --preset tiny --set" in printed and "study.gold=true" in printed
     assert main(["report", runs["chain"].info.run_id]) == 2
     assert "is not a study run" in capsys.readouterr().err
+
+
+def _ppo_arm(name: str, final: dict, eval_metrics: dict, registered: int, last: int = 16) -> "studies.ArmResult":
+    """A PPO arm's result as `collect` reads it back: held-out checks every 4 iterations, the proxy
+    score rising 0.1 per check and the gold score falling 0.05 per check."""
+    checks = range(0, last + 1, 4)
+    curves = {"eval/score": [(s, 0.1 * s / 4) for s in checks], studies.GOLD_CURVE: [(s, -0.05 * s / 4) for s in checks],
+              "eval/kl": [(s, s / 4) for s in checks]}
+    return studies.ArmResult(name=name, pipeline_run="p", curves=curves, breaches=[s for s in checks if s > registered],
+                             final=final, tags={"rlhf.policy_iteration": str(registered),
+                                                "rlhf.final_iteration": str(last)},
+                             eval_metrics=eval_metrics, champion="no (…)", arm=studies.base_arm(name))
+
+
+def _best_of_n(n: int, seed: int, gold: float) -> "studies.ArmResult":
+    final = {"eval/kl": studies_kl(n), "eval/score_delta": 0.4 * gold, "eval/gold_score_delta": gold}
+    return studies.ArmResult(name=f"best-of-{n} seed {seed}", pipeline_run="b", curves={}, breaches=[], final=final,
+                             tags={}, eval_metrics={}, champion="", arm=f"best-of-{n}", best_of_n=n)
+
+
+def studies_kl(n: int) -> float:
+    return math.log(n) - (n - 1) / n
+
+
+def test_a_row_describes_one_policy_and_names_its_iteration():
+    """An arm whose last check breached under `on_collapse: warn`: the row's deltas, KL and judge
+    are the final policy's (iteration 16), the registered policy's (iteration 12) stand beside them."""
+    final = {"eval/score_delta": 1.2, "eval/gold_score_delta": -0.8, "eval/kl": 9.0}
+    registered_only = _ppo_arm("ppo-max", final, {"eval/judge/gold/net_win": 0.25}, registered=12)
+    row = studies.table([registered_only], "gold").iloc[0].to_dict()
+    assert row["policy"] == "iteration 16 (final; registered: iteration 12)"
+    assert row["judge gold net win"] == "–"  # the eval stage judged only the registered policy: not this row's
+    assert row["registered policy"] == "iteration 12: proxy Δ +0.300, gold Δ -0.150, KL 3.000, judge gold net win +0.250"
+
+    both = _ppo_arm("ppo-max", final, {"eval/judge/gold/net_win": 0.25, "eval/final/judge/gold/net_win": -0.5,
+                                       "eval/final/judge/gold/net_win_ci_low": -0.7,
+                                       "eval/final/judge/gold/net_win_ci_high": -0.3}, registered=12)
+    row = studies.table([both], "gold").iloc[0].to_dict()
+    assert row["judge gold net win"] == "-0.500 [-0.700, -0.300]"
+    unbroken = _ppo_arm("vanilla", final, {"eval/judge/gold/net_win": 0.25}, registered=16)
+    row = studies.table([unbroken], "gold").iloc[0].to_dict()
+    assert (row["policy"], row["judge gold net win"], row["registered policy"]) == ("iteration 16", "+0.250",
+                                                                                    "the final policy")
+
+
+def test_deltas_are_in_each_reward_models_std_and_ppo_meets_best_of_n_at_its_kl():
+    """Each RM's Δ in units of its own held-out score std before the proxy − gold gap; every PPO arm
+    against the best-of-n curve interpolated at the arm's KL, with its interval across seeds."""
+    scales = {"eval/score_delta": 2.0, "eval/gold_score_delta": 0.5}
+    bon = [_best_of_n(n, seed, gold) for seed in (0, 1) for n, gold in ((1, 0.0), (4, 0.2), (16, 0.4))]
+    # KL 1.2: between best-of-4 (0.636) and best-of-16 (1.835); best-of-n's gold Δ there, in gold σ:
+    at = float(np.interp(1.2, [studies_kl(1), studies_kl(4), studies_kl(16)], [0.0, 0.4, 0.8]))
+    arms = [_ppo_arm(f"ppo-max seed {seed}", {"eval/score_delta": 1.0, "eval/gold_score_delta": gold,
+                                              "eval/gold_score_delta_ci_low": gold - 0.1,
+                                              "eval/gold_score_delta_ci_high": gold + 0.1, "eval/kl": 1.2},
+                     {}, registered=16) for seed, gold in ((0, 0.6), (1, 0.7), (2, 0.8))]
+    frame = studies.table([*arms, *bon], "gold", scales=scales)
+    row = frame[frame["arm"] == "ppo-max"].iloc[0].to_dict()
+    golds = [1.2, 1.4, 1.6]  # 0.6 / 0.5, ...
+    assert row["gold score Δ vs SFT"].startswith(f"{stats.across_runs(golds)} across 3 seeds")
+    assert row["proxy − gold Δ"].startswith(str(stats.across_runs([0.5 - g for g in golds])))
+    gaps = stats.across_runs([g - at for g in golds])
+    assert row["gold Δ − best-of-n's at the arm's KL"] == f"{gaps} across 3 seeds: PPO ahead"
+    single = studies.table([arms[0], *bon], "gold", scales=scales)
+    assert single.iloc[0]["gold score Δ vs SFT"] == "+1.200 [+1.000, +1.400]"
+    points = studies.overoptimisation_points([arms[0], *bon], scales)
+    assert points["best-of-n"][-1][1:] == pytest.approx((0.16 / 2.0, 0.4 / 0.5))
+    assert points["ppo-max"][-1][1:] == pytest.approx((0.4 / 2.0, -0.2 / 0.5))
+    far = _ppo_arm("far", {"eval/gold_score_delta": 0.2, "eval/kl": 6.0}, {}, registered=16)
+    row = studies.table([far, *bon], "gold", scales=scales).iloc[0].to_dict()
+    assert row["gold Δ − best-of-n's at the arm's KL"] == ("-0.400 [-0.400, -0.400]: PPO behind on one seed (no "
+                                                           "interval); KL beyond best-of-n's range [0.00, 1.84], its "
+                                                           "nearest n")
+
+
+def test_the_table_shows_the_judges_accuracy_and_length_controlled_numbers_the_eval_stage_logs():
+    metrics = {"eval/judge/gold/net_win": 0.1, "eval/judge/gold/accuracy": 0.555, "eval/judge/gold/accuracy_ci_low": 0.468,
+               "eval/judge/gold/accuracy_ci_high": 0.638, "eval/judge/gold/can_judge": 0.0,
+               "eval/judge/gold/net_win_lc": 0.05, "eval/judge/gold/net_win_lc_ci_low": -0.1,
+               "eval/judge/gold/net_win_lc_ci_high": 0.2, "eval/score_delta_lc": 0.3}
+    row = studies.table([_ppo_arm("ppo-max", {"eval/kl": 1.0}, metrics, registered=16)], "gold").iloc[0].to_dict()
+    assert row["judge gold accuracy"] == "0.555 [0.468, 0.638]; cannot judge"
+    assert row["judge gold net win, length-controlled"] == "+0.050 [-0.100, +0.200]"
+    assert row["score Δ, length-controlled"] == "+0.300"
+
+
+def test_an_arm_breached_at_every_check_is_judged_on_its_final_policy(prefect_server):
+    """A KL band of 0 under `on_collapse: warn`: every check after SFT breaches, so the registered
+    policy is iteration 0's (SFT itself). The eval stage judges the final policy too, and the
+    study's row reads that one, naming its iteration, with the registered one beside it."""
+    from flows.study import study
+
+    overrides = [*FAST, "study.arms={ppo-max: {}}", "contracts.policy.max_kl=0", "ppo.on_collapse=warn",
+                 "eval.ceval.subjects=[law]", "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
+    study_id = study(preset="tiny", overrides=overrides)
+    arm = studies.arm_runs(study_id)["ppo-max"]
+    stages, client = tracking.recorded_stages(arm), tracking.client()
+    ppo = client.get_run(stages["ppo"][1])
+    assert (ppo.data.tags["rlhf.policy_iteration"], ppo.data.tags["rlhf.final_iteration"]) == ("0", "2")
+    assert tracking.outputs_of(arm.info.run_id)["final_policy_model"] == f"runs:/{ppo.info.run_id}/final_policy"
+    judged = client.get_run(stages["eval"][1]).data.metrics
+    assert judged["eval/judge/reward_model/tie_rate"] == 1.0  # the registered policy is SFT: its answers are SFT's
+    final = {key: judged[f"eval/final/judge/reward_model/{key}"] for key in ("net_win", "n", "tie_rate")}
+    assert final["n"] == judged["eval/judge/reward_model/n"] and final["tie_rate"] < 1.0
+
+    row = next(line for line in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+               .splitlines() if line.startswith("| ppo-max |"))
+    assert "| iteration 2 (final; registered: iteration 0) |" in row and "| breach at 1, 2 |" in row
+    assert f"| {final['net_win']:+.3f} [" in row and "| iteration 0: proxy Δ +0.000" in row
+    assert client.get_run(study_id).data.metrics["ppo-max/policy_iteration"] == 2.0
+
+
+def test_the_controlled_setting_trains_the_proxy_on_the_gold_rms_labels(prefect_server):
+    """`study.gold_relabels` (Gao et al. 2022's synthetic setting): data and SFT run first (`base`),
+    the gold RM trains from them, and the chain's proxy RM learns the gold RM's labels (chosen and
+    rejected swapped where the gold RM disagrees), training and held-out pairs alike."""
+    from flows.study import study
+
+    overrides = [*FAST, "study.arms={ppo-max: {}}", "study.gold=true", "study.gold_relabels=true",
+                 "data.splits.gold_rm_train=32", "data.splits.gold_rm_eval=16", "eval.ceval.subjects=[law]",
+                 "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
+    study_id = study(preset="tiny", overrides=overrides)
+    runs = studies.arm_runs(study_id)
+    assert set(runs) == {"base", "gold", "chain", "ppo-max"} and all(r.info.status == "FINISHED" for r in runs.values())
+    base, gold, chain = (tracking.outputs_of(runs[name].info.run_id) for name in ("base", "gold", "chain"))
+    assert gold["sft_model"] == chain["sft_model"] == base["sft_model"] and "reward_model" not in base
+    assert tracking.recorded_config(runs["chain"].info.run_id).reward.labels_from == gold["reward_model"]
+    reward = tracking.client().get_run(tracking.recorded_stages(runs["chain"])["reward"][1]).data.metrics
+    train, heldout = reward["data/relabelled_train_pairs"], reward["data/relabelled_heldout_pairs"]
+    assert 0 < train < 96 and 0 <= heldout <= 32  # a gold RM of 4 steps disagrees with some human labels
+    policy = version_tags(tracking.outputs_of(runs["ppo-max"].info.run_id)["policy_model"])
+    assert policy["rlhf.input.reward_model"] == chain["reward_model"] != gold["reward_model"]
+    text = tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
+    assert "Controlled setting (`study.gold_relabels`" in text and f"({train:.0f} training and" in text
+    assert "gold score Δ vs SFT" in text  # the gold RM is the truth by construction

@@ -53,7 +53,7 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Local copies of the splits and of every model the evaluation reads."""
     splits_dir = tracking.download(inputs["splits"], downloads)
     local = {"splits_dir": str(splits_dir), "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
-    for name in ("policy_model", "reward_model"):
+    for name in ("policy_model", "reward_model", "final_policy_model"):
         if inputs.get(name):
             local[f"{name}_dir"] = str(tracking.download(inputs[name], downloads))
     if inputs.get("policy_model"):
@@ -189,7 +189,8 @@ def recorded_quality(spec, inputs: dict, level: float) -> quality.JudgeQuality |
 
 
 def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
-              stop_point=lambda where: None) -> tuple[pd.DataFrame, dict[str, quality.JudgeQuality]]:
+              stop_point=lambda where: None, known: dict[str, quality.JudgeQuality] | None = None
+              ) -> tuple[pd.DataFrame, dict[str, quality.JudgeQuality]]:
     """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair;
     and each judge's accuracy on labelled held-out pairs (recorded, else measured on the control pairs)."""
     judged, qualities = [], {}
@@ -198,7 +199,7 @@ def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
         stop_point(f"before judge {spec.name}")
         t = time.perf_counter()
         judge = make_judge(spec, cfg, inputs, device)
-        qualities[spec.name] = (recorded_quality(spec, inputs, cfg.statistics.ci_level)
+        qualities[spec.name] = ((known or {}).get(spec.name) or recorded_quality(spec, inputs, cfg.statistics.ci_level)
                                 or quality.measured(judge, control, cfg.statistics.ci_level))
         frame = judge_pairs(judge, pairs[: spec.max_prompts] if spec.max_prompts else pairs)
         judged.append(frame.assign(split=cfg.eval.split, judge_kind=spec.kind))
@@ -275,6 +276,29 @@ def log_ceval_lineage(cfg: PipelineConfig, tracker: tracking.StageRun) -> None:
     tracker.log_dict(found.digests(), "ceval_files.json")
 
 
+def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], responses: dict[str, list], device: str,
+                       qualities: dict[str, quality.JudgeQuality], stop_point=lambda where: None
+                       ) -> tuple[dict[str, float], pd.DataFrame]:
+    """PPO's final policy, when a breach after the registered policy's check kept it from the
+    registry, judged against SFT's responses as the registered one is (the same judges, their
+    accuracy already measured): every judge metric as `eval/final/judge/<name>/*`, and the judged
+    pairs (model `final`)."""
+    stop_point("before the final policy answered the eval prompts")
+    model, tokenizer = load_lm(inputs["final_policy_model_dir"], cfg.model, device)
+    final, final_ended = respond(model, tokenizer, rows, cfg, device)
+    final_tokens = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in final]
+    del model
+    pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
+                  sft_tokens=s_tokens)
+             for r, p, s, p_ended, s_ended, p_tokens, s_tokens in zip(
+                 rows, final, responses["sft"], final_ended, responses["sft_ended"], final_tokens,
+                 responses["sft_tokens"])]
+    judged, _ = judge_all(cfg, inputs, pairs, device, stop_point, qualities)
+    metrics, _, _, _ = judge_verdicts(cfg, judged, qualities)
+    metrics = {key.replace("eval/judge/", "eval/final/judge/", 1): value for key, value in metrics.items()}
+    return metrics, judged.assign(model="final")
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
@@ -326,6 +350,12 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         tags["rlhf.champion_judge"] = verdict_judge
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
+    if judging and inputs.get("final_policy_model_dir"):
+        final_metrics, final_judged = judge_final_policy(cfg, inputs, rows, responses, dist.device,
+                                                          qualities, stop_point)
+        metrics.update(final_metrics)
+        final_judged.to_json(tracker.workdir / "final_judgements.jsonl", orient="records", lines=True, force_ascii=False)
+        tracker.log_artifact(tracker.workdir / "final_judgements.jsonl", "report")
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
     tracker.set_tags({"rlhf.champion": champion, **tags})

@@ -280,8 +280,12 @@ class PPOTraining(lifecycle.TrainingStage):
 
     def finish(self) -> lifecycle.Finish:
         ppo, trainer, guard = self.ppo, self.trainer, self.collapse_guard
+        final_iteration = trainer.iteration
         # The policy to register: the last one the guard passed (the final one unless a breach came after).
-        if guard.state.passing_iteration != trainer.iteration:
+        # The final policy is kept beside it, so the eval stage judges the policy the last held-out
+        # numbers describe as well as the registered one.
+        final_policy = self.publish_final_policy() if guard.state.passing_iteration != final_iteration else None
+        if guard.state.passing_iteration != final_iteration:
             roll_back(trainer, latest(guard.directory))
         policy = trained_model(trainer.actor) if trainer.dist.is_main else None
 
@@ -293,8 +297,23 @@ class PPOTraining(lifecycle.TrainingStage):
         lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
         if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held
             lineage["rlhf.input.critic_model"] = ""
+        tags = {**guard.tags(), "rlhf.final_iteration": str(final_iteration)}
         return lifecycle.Finish({}, "policy_probe", probe=guard.passing_probe, save=save, pack=mlflow_models.chat(self.cfg),
-                                lineage=lineage, tags=guard.tags(), folders=(guard.directory,))
+                                lineage=lineage, tags=tags, folders=(guard.directory,),
+                                outputs={"final_policy_model": final_policy or ""})
+
+    def publish_final_policy(self) -> str | None:
+        """The final policy's folder as the artifact `final_policy` of the stage's run (main rank):
+        its URI, None on the other ranks."""
+        policy = trained_model(self.trainer.actor) if self.trainer.dist.is_main else None
+        if policy is None:
+            return None
+        folder = self.tracker.workdir / "final_policy"
+        policy.config.use_cache = True
+        policy.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+        self.tracker.log_artifacts(folder, "final_policy")
+        return self.tracker.artifact_uri("final_policy")
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:

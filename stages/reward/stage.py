@@ -20,7 +20,7 @@ from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
-from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.reward.model import load_reward_model, reward_model_from_lm, save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
@@ -123,6 +123,20 @@ def score_heldout(model, pairs: list[EncodedPair], sampler: PairBatchSampler, pa
     return HeldoutScores(np.array(total[:n]), np.array(total[n : 2 * n]), lm_loss, beta_rm)
 
 
+def relabelled(rows: list[dict], folder: str, cfg: PipelineConfig, tokenizer, pad_id: int, dist: Dist
+               ) -> tuple[list[dict], int]:
+    """`rows` as the reward model in `folder` (`reward.labels_from`) prefers them: chosen and rejected
+    swapped where it scores the rejected answer higher; and how many it swapped."""
+    rm = cfg.reward
+    labeller = load_reward_model(folder, cfg.model, precision.dtype(precision.resolve(cfg.model.precision,
+                                                                                      dist.device)))
+    pairs = encode_pairs(tokenizer, rows, rm.max_seq_len, rm.max_response_len)
+    scores = score_heldout(labeller.to(dist.device), pairs, make_sampler(rm, pairs, dist), pad_id, 0.0, dist)
+    swap = scores.r_rejected > scores.r_chosen
+    return ([{**row, "chosen": row["rejected"], "rejected": row["chosen"]} if swapped else row
+             for row, swapped in zip(rows, swap)], int(swap.sum()))
+
+
 def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tensor,
                 batch: dict[str, torch.Tensor]) -> list[float]:
     """This rank's sums for the step's metrics (summed over ranks before they are logged)."""
@@ -134,8 +148,10 @@ def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tens
 
 def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     """Once, before the ranks start: local copies of the splits and of the SFT model."""
+    labels = {"labels_from_dir": str(tracking.download(cfg.reward.labels_from, downloads))} \
+        if cfg.reward.labels_from else {}
     return {"splits_dir": str(tracking.download(inputs["splits"], downloads)),
-            "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads))}
+            "sft_model_dir": str(tracking.download(inputs["sft_model"], downloads)), **labels}
 
 
 class RewardTraining(lifecycle.TrainingStage):
@@ -160,7 +176,12 @@ class RewardTraining(lifecycle.TrainingStage):
             raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the "
                               f"data stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set "
                               f"data.splits.{train_split} and data.splits.{heldout_split}")
-        self.heldout_rows = heldout_rows[: rm.heldout_pairs]
+        heldout_rows, swapped = heldout_rows[: rm.heldout_pairs], {}
+        if "labels_from_dir" in inputs:  # Gao et al.'s synthetic labels: the labelling RM is the truth
+            (train_rows, swapped["train"]), (heldout_rows, swapped["heldout"]) = (
+                relabelled(rows, inputs["labels_from_dir"], cfg, self.tokenizer, self.pad_id, dist)
+                for rows in (train_rows, heldout_rows))
+        self.heldout_rows = heldout_rows
         self.train_set = encode_pairs(self.tokenizer, train_rows, rm.max_seq_len, rm.max_response_len)
         self.heldout = encode_pairs(self.tokenizer, self.heldout_rows, rm.max_seq_len, rm.max_response_len)
         self.sampler, self.heldout_sampler = make_sampler(rm, self.train_set, dist), make_sampler(rm, self.heldout, dist)
@@ -185,7 +206,8 @@ class RewardTraining(lifecycle.TrainingStage):
             "reward.zero_stage": dist.zero_stage, "reward.sft_model": inputs["sft_model"]}
         # Chosen and rejected answers of rm_train cut at reward.max_response_len (they end without EOS).
         self.first_metrics = {"data/cut_answers": count_cut([p.chosen_ids for p in self.train_set] +
-                                                            [p.rejected_ids for p in self.train_set], self.tokenizer)}
+                                                            [p.rejected_ids for p in self.train_set], self.tokenizer),
+                              **{f"data/relabelled_{split}_pairs": float(n) for split, n in swapped.items()}}
         self.schedule = None  # each step's pair indices, from the first step this attempt trains
         self.engine.train()
 
