@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ppo_helpers import token_mean_minibatch
 
 from stages import registry
 from stages.config import ConfigError, PPOConfig, load_config
@@ -420,7 +421,7 @@ from stages.config import PPOConfig
 from stages.dist import Dist
 from stages.losses import registered_policy_loss, token_mean_share
 sys.path.insert(0, "tests")
-from test_ppo_math import token_mean_minibatch
+from ppo_helpers import token_mean_minibatch
 rank, port = int(sys.argv[1]), sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 theta, tokens, old, advantages, mask = token_mean_minibatch()
@@ -435,18 +436,6 @@ torch.distributed.all_reduce(theta.grad)
 print(json.dumps({"grad": (theta.grad / 2).tolist(), "loss": mean_loss}))
 torch.distributed.destroy_process_group()
 """
-
-
-def token_mean_minibatch():
-    """(θ: logits of a 7-token policy, tokens, old log-probabilities, advantages, response mask) of 4
-    rows; rows 0–1 (rank 0) have 6 and 5 response tokens, rows 2–3 (rank 1) 1 and 2."""
-    generator = torch.Generator().manual_seed(0)
-    theta = torch.randn(7, generator=generator).requires_grad_()
-    tokens = torch.randint(0, 7, (4, 6), generator=generator)
-    old = torch.log_softmax(theta.detach(), -1)[tokens] + 0.3 * torch.randn(4, 6, generator=generator)
-    advantages = torch.randn(4, 6, generator=generator)
-    mask = (torch.arange(6) < torch.tensor([[6], [5], [1], [2]])).float()
-    return theta, tokens, old, advantages, mask
 
 
 def test_token_mean_is_over_the_global_minibatch_on_ranks_with_unequal_token_counts():

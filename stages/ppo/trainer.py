@@ -26,8 +26,9 @@ from stages.ppo.advantages import AdvantageInputs, advantage_estimator
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.logprobs import logprobs_and_entropy
 from stages.ppo.reward_shaping import RunningMoments, shape_scores, token_rewards
+from stages.rendering import collate
 from stages.tensors import masked_mean, masked_whiten
-from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine
+from stages.training import adamw, clip_grad_norm, linear_warmup, make_engine
 
 
 def shuffled_order(count: int, rng: random.Random) -> list[int]:

@@ -43,10 +43,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stages import loading, precision
 from stages.config import ModelConfig, RewardServerConfig
-from stages.data import render_response
+from stages.rendering import collate, render_response
 from stages.reward.batching import row_batches
 from stages.reward.model import load_reward_model
-from stages.training import collate
 
 
 class RewardScorer:
