@@ -201,8 +201,8 @@ class ScoringQueue:
 
 
 def _answer(future: Future, result=None, exception: BaseException | None = None) -> None:
-    """Set a running future's outcome; one already settled (by nothing of ours, but a future is
-    shared with whoever awaits it) is left as it is rather than killing the scoring thread."""
+    """Set a running future's outcome. A future that its awaiting side settled already is left as
+    it is: the error would end the scoring thread, and every later request would wait for ever."""
     try:
         if exception is not None:
             future.set_exception(exception)
