@@ -79,7 +79,7 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
     import torch
 
     from stages import loading
-    from stages.data import encode_example
+    from stages.rendering import encode_example
     from stages.nonfinite import NonFiniteGuard
     from stages.launch import Dist
     from stages.sft import accumulate_step, heldout_perplexity

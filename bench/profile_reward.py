@@ -29,7 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from stages.launch import Dist  # noqa: E402
 from stages.reward.model import RewardModel  # noqa: E402
 from stages.reward.stage import forward_pairs  # noqa: E402
-from stages.training import adamw, collate, make_engine  # noqa: E402
+from stages.rendering import collate  # noqa: E402
+from stages.training import adamw, make_engine  # noqa: E402
 
 
 def random_batches(steps: int, pairs: int, vocab: int, device: str, seed: int = 0) -> list[dict]:

@@ -98,7 +98,8 @@ def prepare(args, tmp: Path) -> tuple[Path, list[tuple[str, str]]]:
 
     from stages import loading
     from stages.config import load_config
-    from stages.data import load_pairs, make_splits, render_prompt, split_texts
+    from stages.data import load_pairs, make_splits, split_texts
+    from stages.rendering import render_prompt
     from stages.reward.model import reward_model_from_lm, save_reward_model
 
     cfg = load_config(args.preset, args.overrides)

@@ -214,7 +214,7 @@ class _TrainingSection(_Section):
 
 class _PromptAnswerSection(_TrainingSection):
     """A training stage on (prompt, answer) examples cut to fit (SFT, the reward model):
-    `stages.data.encode_example` cuts the answer to max_response_len and the prompt to what is left
+    `stages.rendering.encode_example` cuts the answer to max_response_len and the prompt to what is left
     of max_seq_len."""
 
     max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")

@@ -1,5 +1,7 @@
-"""Preference data: rows in TRL's formats (or HH dialogues) to pairs, prompt rendering, and
-seeded, disjoint splits.
+"""The data stage: preference rows in TRL's formats (or HH dialogues) to pairs, and seeded,
+disjoint splits, written as JSONL files the training stages read (`read_jsonl`). Rendering a
+prompt for a tokenizer and encoding an example are stages/rendering.py's, shared with the
+engine, the reward server and the judges.
 
 Every format becomes the same pair: `messages` (the prompt's user/assistant turns), `chosen` and
 `rejected` (the two answers' text) and `prompt`, the prompt's turns in the HH form ending with an
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from stages.config import ConfigError, DataConfig, PipelineConfig
 from stages.loading import DataError, DataFiles, read_records, read_source
+from stages.rendering import ASSISTANT, HUMAN, dialogue_text
 
-HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts", "gold_rm_train", "gold_rm_eval")
 # The reward model's (train, held-out) splits by `reward.pairs`: the proxy RM PPO optimises, the gold RM that judges it.
@@ -50,17 +52,6 @@ def prompt_messages(prompt: str) -> list[dict]:
     if not messages or messages[0]["role"] != "user":
         raise ValueError("the dialogue must start with a Human turn")
     return messages
-
-
-def dialogue_text(messages: list[dict]) -> str:
-    """Chat turns in the HH form, ending with an open Assistant turn."""
-    return "".join(f"{HUMAN if m['role'] == 'user' else ASSISTANT} {m['content']}" for m in messages) + ASSISTANT
-
-
-# `dialogue_text` as a chat template, for a chat request MLflow serves to a model whose tokenizer has
-# none (stages/mlflow_models.py): the prompt it renders is the one training rendered (a test checks).
-HH_CHAT_TEMPLATE = ("{% for m in messages %}{{ '\\n\\nHuman:' if m['role'] == 'user' else '\\n\\nAssistant:' }} "
-                    "{{ m['content'] }}{% endfor %}{{ '\\n\\nAssistant:' }}")
 
 
 FORMAT_NAMES = {"hh": "an HH dialogue", "standard": "a standard preference row (prompt, chosen, rejected strings)",
@@ -381,44 +372,6 @@ def splits_frame(splits: dict[str, list[dict]]) -> "pd.DataFrame":
              "rejected": r.get("rejected", "")}  # prompt-only and SFT sources have no answers to compare
             for name, split_rows in splits.items() for r in split_rows]
     return pd.DataFrame(rows, columns=["row", "split", "prompt", "chosen", "rejected"])
-
-
-# ----------------------------------------------------------------------------------------------
-# Rendering prompts for a tokenizer
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> str:
-    """The model's chat template where it has one, else the HH "Human:/Assistant:" form."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return dialogue_text(messages)
-
-
-def render_response(tokenizer, response: str) -> str:
-    return response if getattr(tokenizer, "chat_template", None) else " " + response
-
-
-def encode_example(tokenizer, messages: list[dict], response: str, max_seq_len: int, max_response_len: int,
-                   ended: bool = True):
-    """(input_ids, labels): labels are -100 on prompt tokens, so the loss sees the response and
-    its EOS only. Long prompts lose their oldest tokens. A response whose tokens and EOS exceed
-    `max_response_len` is cut to that many tokens and gets no EOS: SFT must not learn to stop
-    mid-sentence, and a reward model, which reads its score at the last token, must not see a cut
-    answer as finished. `ended=False`: the response never ended (a generation stopped at its
-    token limit), so it gets no EOS either."""
-    prompt_ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(render_response(tokenizer, response), add_special_tokens=False)["input_ids"]
-    if ended:
-        response_ids.append(tokenizer.eos_token_id)
-    response_ids = response_ids[:max_response_len]
-    prompt_ids = prompt_ids[max(len(prompt_ids) - (max_seq_len - len(response_ids)), 0) :]
-    return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
-
-
-def count_cut(sequences: list[list[int]], tokenizer) -> int:
-    """How many of these examples (`encode_example`'s input_ids of whole answers) had their
-    response cut to fit: only those end without EOS."""
-    return sum(ids[-1] != tokenizer.eos_token_id for ids in sequences)
 
 
 # ----------------------------------------------------------------------------------------------

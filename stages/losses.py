@@ -8,7 +8,8 @@
   surrogate), the clipped value loss, entropy, PPO-ptx, and the KL penalty: its per-token
   estimators (k1, k2, k3) and, with `ppo.kl_penalty_in=loss`, the KL loss term. The actor's
   per-token terms (policy loss, entropy bonus, KL loss term) reduce to one number by
-  `ppo.loss_agg` (`aggregate`); the value loss is a token mean."""
+  `ppo.loss_agg` (`aggregate`); the value loss is a token mean. Token means are over the global
+  minibatch on any number of ranks (`token_mean_share`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
+from stages.dist import Dist
 from stages.logprobs import token_logprobs
 from stages.tensors import masked_mean
 
@@ -97,12 +99,26 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation
     """A per-token loss ℓ_{i,t} over a minibatch of G responses o_i as one number (verl's
     loss_agg_mode): `token_mean` Σ_i Σ_t ℓ_{i,t} / Σ_i |o_i|, every response token weighs the same
     (MOSS, TRL); `seq_mean` (1/G) Σ_i (1/|o_i|) Σ_t ℓ_{i,t}, every response weighs the same
-    (DeepSeekMath's GRPO objective; verl's seq-mean-token-mean)."""
+    (DeepSeekMath's GRPO objective; verl's seq-mean-token-mean). Over this rank's rows: on several
+    ranks the trainer scales a token mean by `token_mean_share`, so the gradient the ranks average
+    is the token mean over the global minibatch (a seq_mean is one already: every rank has as many
+    rows)."""
     if mode == "token_mean":
         return masked_mean(per_token, mask)
     if mode == "seq_mean":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     raise ValueError(f"unknown loss aggregation {mode!r}; known: token_mean, seq_mean")
+
+
+def token_mean_share(mask: torch.Tensor, dist: Dist) -> float:
+    """n_r · W / N, for this rank's n_r response tokens of the N on all W ranks (one all-reduce): a
+    token mean over this rank's rows times it is W · Σ_r ℓ / N, so the mean of the ranks' losses,
+    and of their gradients (DeepSpeed averages them), is Σ ℓ / N over the global minibatch. A
+    per-rank mean averaged over ranks would weigh a token of a rank with few response tokens more
+    than one of a rank with many. 1 on one rank."""
+    local = float(mask.sum())
+    (total,) = dist.all_reduce_sum([local])
+    return local * dist.world_size / max(total, 1.0)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

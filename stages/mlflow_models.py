@@ -25,7 +25,7 @@ from pathlib import Path
 
 from stages import loading
 from stages.config import GenerationConfig, PipelineConfig
-from stages.data import HH_CHAT_TEMPLATE
+from stages.rendering import HH_CHAT_TEMPLATE
 
 Pack = Callable[[Path, Path, object], None]  # (saved HF folder, MLflow model folder to write, mlflow.models.Model)
 

@@ -13,11 +13,12 @@ import torch
 
 from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
-from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
+from stages.data import corpus_texts, read_jsonl
 from stages.launch import Dist
 from stages.losses import shifted_nll
 from stages.nonfinite import NonFiniteGuard
-from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model
+from stages.rendering import collate, count_cut, encode_example
+from stages.training import adamw, cosine_with_warmup, generation_probe, make_engine, trained_model
 
 
 def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:

@@ -1,4 +1,4 @@
-"""What every training stage shares: batching (collate), masked means, lr schedules, the
+"""What every training stage shares: masked means, lr schedules, the
 optimiser (fused AdamW), the engine (single-process PyTorch or DeepSpeed), gradient clipping (one
 clip over several engines, ZeRO included), and greedy generation for the contract
 probes. Stage modules import these from here; `stages.launch` only launches."""
@@ -11,22 +11,9 @@ import sys
 import torch
 
 from stages.dist import Dist
-from stages.data import render_prompt
 from stages.models import fused
 from stages.models.embedding import add_gradients_in_place
-
-
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch; padded positions get label -100 and attention 0."""
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (ids, labs) in enumerate(examples):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, : len(labs)] = torch.tensor(labs)
-        attention[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
+from stages.rendering import render_prompt
 
 
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):

@@ -36,3 +36,15 @@ def greedy_one_minibatch_trainer(tiny, *overrides: str):
     """A PPO trainer on the tiny model: one minibatch of 8 rollouts, 8 greedy new tokens."""
     return make_trainer(tiny, "ppo.rollout_batch_size=8", "ppo.minibatch_size=8", "ppo.generation.do_sample=false",
                         "ppo.generation.max_new_tokens=8", *overrides)
+
+
+def token_mean_minibatch():
+    """(θ: logits of a 7-token policy, tokens, old log-probabilities, advantages, response mask) of 4
+    rows; rows 0–1 (rank 0) have 6 and 5 response tokens, rows 2–3 (rank 1) 1 and 2."""
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(7, generator=generator).requires_grad_()
+    tokens = torch.randint(0, 7, (4, 6), generator=generator)
+    old = torch.log_softmax(theta.detach(), -1)[tokens] + 0.3 * torch.randn(4, 6, generator=generator)
+    advantages = torch.randn(4, 6, generator=generator)
+    mask = (torch.arange(6) < torch.tensor([[6], [5], [1], [2]])).float()
+    return theta, tokens, old, advantages, mask

@@ -6,11 +6,9 @@ import pandas as pd
 import pytest
 
 from stages.config import ConfigError, DataConfig, load_config
-from stages.data import (
-    SPLITS, count_cut, encode_example, load_pairs, make_splits, parse_pair, prompt_messages, render_prompt, render_response,
-    split_dialogue,
-)
+from stages.data import SPLITS, load_pairs, make_splits, parse_pair, prompt_messages, split_dialogue
 from stages.loading import DataError, read_records
+from stages.rendering import count_cut, encode_example, render_prompt, render_response
 
 DIALOGUE = "\n\nHuman: hi there\n\nAssistant: hello!\n\nHuman: how are you?\n\nAssistant: fine, thanks"
 

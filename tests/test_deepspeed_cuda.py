@@ -81,7 +81,7 @@ def assert_same_losses(plain: list[float], ours: list[float]) -> None:
 
 def batches(tiny, rows: int = 4) -> list[dict[str, torch.Tensor]]:
     """STEPS right-padded batches of the tiny preset's encoded prompts, labels = the ids."""
-    from stages.training import collate
+    from stages.rendering import collate
 
     _, tokenizer, prompts = tiny
     return [{k: v.to("cuda:0") for k, v in collate([(p, p) for p in prompts[step * rows : (step + 1) * rows]],

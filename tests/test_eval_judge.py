@@ -10,7 +10,7 @@ import torch
 
 from eval_helpers import SECRET, JudgeServer, tiny_lm
 from stages.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig
-from stages.data import render_prompt, render_response
+from stages.rendering import render_prompt, render_response
 from stages.evaluate.judge import (
     JudgeError, LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, parse_verdict, tally,
 )

@@ -1,8 +1,10 @@
-"""Fuzzing the two readers of user input: the data reader (stages/loading.py → stages/data.py:
-a file → raw records → pairs → the split files the data stage writes) and the config loader
-(stages/config.py: a preset YAML file + `--set` overrides → PipelineConfig). Whatever the bytes,
-each returns or raises our own error, DataError (naming the file, the row and the rule) or
-ConfigError (naming the key or the file); nothing else may escape.
+"""Fuzzing the three readers of user input: the data reader (stages/loading.py → stages/data.py:
+a file → raw records → pairs → the split files the data stage writes), the config loader
+(stages/config.py: a preset YAML file + `--set` overrides → PipelineConfig) and the reward
+server's request parser (stages/reward/serve.py: a POST body → prompts, responses, ended).
+Whatever the bytes, each returns or raises our own error, DataError (naming the file, the row and
+the rule), ConfigError (naming the key or the file) or the server's ClientError with a 4xx status
+(the server answers anything else 500, its own fault); nothing else may escape.
 
 Hypothesis runs derandomised: a fixed seed per test, so CI sees the same inputs on every run and
 a failure reproduces. The number of inputs per target and outcome prints with `pytest -s`.
@@ -24,9 +26,10 @@ from hypothesis import HealthCheck, example, given, settings
 from config_helpers import dotted_keys
 from hypothesis import strategies as st
 
-from stages.config import ConfigError, DataConfig, PipelineConfig, load_config
+from stages.config import ConfigError, DataConfig, PipelineConfig, RewardServerConfig, load_config
 from stages.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
 from stages.loading import DataError, read_records
+from stages.reward.serve import ClientError, parse_body
 
 COUNTS: Counter = Counter()  # (target, outcome) → inputs
 
@@ -269,3 +272,60 @@ def test_override_strings(preset, overrides):
 def test_override_mappings(preset, overrides):
     """Overrides as a flow parameter: `{"ppo": {"kl_coef": 0.1}}` or `{"ppo.kl_coef": 0.1}`."""
     resolve(preset, overrides, "override mappings")
+
+
+# ----------------------------------------------------------------------------------------------
+# The reward server's request bodies
+
+SERVER_LIMITS = RewardServerConfig(max_prompts=8)
+# JSON texts a generator cannot write: numbers past float and int, NaN literals, deep nesting.
+NUMBER_TEXT = st.sampled_from(["1e999", "-1e999", "1" * 5000, "-" + "9" * 4301, "NaN", "Infinity", "-Infinity",
+                               "1e-999", "0.0", "-0", "true", "null", '"\\ud800"', '"\\udc00\\ud800"', '"\\u0000"',
+                               "[" * 3000 + "]" * 3000, '{"a":' * 3000 + "1" + "}" * 3000])
+FIELD = JSON_VALUES.map(json.dumps) | NUMBER_TEXT | st.lists(JSON_VALUES.map(json.dumps) | NUMBER_TEXT | TEXT.map(
+    json.dumps), max_size=9).map(lambda items: "[" + ", ".join(items) + "]")
+
+
+def body_text(prompts: str | None, responses: str | None, ended: str | None, extra: dict) -> str:
+    """A JSON object text with these fields' texts (None: the field left out) and other keys."""
+    fields = {"prompts": prompts, "responses": responses, "ended": ended, **{k: json.dumps(v) for k, v in extra.items()}}
+    return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in fields.items() if v is not None) + "}"
+
+
+STRINGS = st.lists(TEXT, min_size=1, max_size=3).map(json.dumps)
+BODY_TEXT = (st.builds(body_text, st.none() | STRINGS | FIELD, st.none() | STRINGS | FIELD,
+                       st.none() | st.lists(st.booleans(), max_size=3).map(json.dumps) | FIELD,
+                       st.dictionaries(TEXT, JSON_VALUES, max_size=2))
+             | st.builds(lambda n, ended: body_text(json.dumps(["p"] * n), json.dumps(["r"] * n), ended, {}),
+                         st.integers(0, 10), st.none() | st.lists(st.booleans() | st.integers(0, 1), max_size=10)
+                         .map(json.dumps))
+             | JSON_VALUES.map(json.dumps) | NUMBER_TEXT)
+ENCODED = st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32", "latin-1"])
+BODY = (st.builds(lambda text, encoding: text.encode(encoding, "surrogatepass" if "utf" in encoding else "replace"),
+                  BODY_TEXT, ENCODED)
+        | mutated(BODY_TEXT.map(str.encode)) | st.binary(max_size=200))
+
+
+@fuzz(400)
+@given(body=BODY)
+@example(body=b"[" * 100_000)  # nesting deeper than Python's recursion limit
+@example(body=b'{"prompts": ' + b"[" * 5000 + b"]" * 5000 + b', "responses": ["r"]}')
+@example(body=b'{"prompts": ["p"], "responses": ["r"], "ended": [' + b"1" * 5000 + b"]}")  # past int()'s digits
+@example(body=b'{"prompts": ["p"], "responses": ["r"], "ended": [1e999]}')  # a float literal read as inf
+@example(body=b'\xef\xbb\xbf{"prompts": ["p"], "responses": ["r"]}')  # a UTF-8 byte-order mark
+@example(body='{"prompts": ["p"], "responses": ["r"]}'.encode("utf-16"))
+@example(body=b'{"prompts": ["p\xff"], "responses": ["r"]}')  # not UTF-8
+@example(body=b'{"prompts": ["' + b"x" * 1_000_000 + b'"], "responses": ["r"]}')  # a huge string
+@example(body=b'{"prompts": ["\\ud800"], "responses": ["r"]}')  # a lone surrogate
+def test_reward_server_request_bodies(body):
+    try:
+        prompts, responses, ended = parse_body(body, SERVER_LIMITS)
+    except ClientError as err:
+        assert 400 <= err.status < 500 and err.message, err
+        COUNTS["reward request", f"{err.status}"] += 1
+        return
+    assert len(prompts) == len(responses) == len(ended) <= SERVER_LIMITS.max_prompts
+    assert all(type(t) is str for t in prompts + responses) and all(type(e) is bool for e in ended)
+    for text in prompts + responses:
+        text.encode("utf-8")  # no lone surrogate reaches the tokenizer
+    COUNTS["reward request", "parsed"] += 1

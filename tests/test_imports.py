@@ -31,26 +31,34 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_imports_go_down_the_layers():
     result = lint_imports(REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 1 kept, 0 broken." in result.stdout
+    assert "Contracts: 2 kept, 0 broken." in result.stdout
 
 
-@pytest.mark.parametrize(("module", "planted", "broken"), [
+@pytest.mark.parametrize(("module", "planted", "broken", "contracts"), [
     # a leaf module reaching up into the stage table it parameterises
-    ("stages/config.py", "from stages import registry", "stages.config is not allowed to import stages.registry"),
-    # a shared room reaching up into a stage module
-    ("stages/training.py", "from stages.sft import run", "stages.training is not allowed to import stages.sft"),
+    ("stages/config.py", "from stages import registry", "stages.config is not allowed to import stages.registry",
+     "1 kept, 1 broken"),
+    # a shared room reaching up into a stage module (and through it into the data stage)
+    ("stages/training.py", "from stages.sft import run", "stages.training is not allowed to import stages.sft",
+     "0 kept, 2 broken"),
+    # the reward server reaching into the data stage for what stages.rendering holds
+    ("stages/reward/serve.py", "from stages.data import read_jsonl",
+     "stages.reward.serve is not allowed to import stages.data", "1 kept, 1 broken"),
+    # a leaf, the same
+    ("stages/rendering.py", "from stages.data import SPLITS", "stages.rendering is not allowed to import stages.data",
+     "0 kept, 2 broken"),
 ])
-def test_a_planted_upward_import_breaks_the_rule(tmp_path, module, planted, broken):
+def test_a_planted_import_breaks_the_rule(tmp_path, module, planted, broken, contracts):
     for package in PACKAGES:
         shutil.copytree(REPO_ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path)
     assert lint_imports(tmp_path).returncode == 0  # the copy keeps the rule
     path = tmp_path / module
     text = path.read_text()
-    first_import = text.index("\nimport ")  # after the module docstring and `from __future__`
+    first_import = text.index("\nfrom __future__ import annotations\n") + len("\nfrom __future__ import annotations")
     path.write_text(f"{text[:first_import]}\n{planted}{text[first_import:]}")
     result = lint_imports(tmp_path)
-    assert result.returncode == 1 and "Contracts: 0 kept, 1 broken." in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 1 and f"Contracts: {contracts}." in result.stdout, result.stdout + result.stderr
     assert broken in result.stdout
 
 
@@ -99,9 +107,31 @@ def test_every_module_has_a_layer(monkeypatch):
     """A new module goes into a layer of the contract; only the packages that hold modules of
     several layers stand outside them."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
-    (contract,) = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    contract = _contract("layers")
     layers = {name.strip().strip("()") for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
     graph = grimp.build_graph(*PACKAGES, cache_dir=None)
     outside = {module for module in graph.modules
                if not any(module == layer or module.startswith(f"{layer}.") for layer in layers)}
     assert outside == {"stages", "stages.evaluate", "stages.ppo", "stages.reward"}
+
+
+def _contract(kind: str) -> dict:
+    (contract,) = [c for c in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+                   ["contracts"] if c["type"] == kind]
+    return contract
+
+
+# What reads the data stage's splits: the flows, the stage modules and their contracts.
+DATA_STAGE_READERS = ("flows", "data_contracts", "stages.sft", "stages.reward.stage", "stages.ppo.stage",
+                      "stages.critic", "stages.evaluate.stage", "stages.best_of_n")
+
+
+def test_every_other_module_is_kept_from_the_data_stage(monkeypatch):
+    """A new module that is not a stage, a contract or a flow is a source module of the forbidden
+    contract: it renders and encodes text with stages.rendering, not the data stage."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    sources = _contract("forbidden")["source_modules"]
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None)
+    unguarded = {module for module in graph.modules
+                 if not any(module == name or module.startswith(f"{name}.") for name in (*sources, *DATA_STAGE_READERS))}
+    assert unguarded == {"stages", "stages.data", "stages.evaluate", "stages.ppo", "stages.reward"}

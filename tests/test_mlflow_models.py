@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from stages import loading, tracking
 from stages.config import REPO_ROOT, load_config
-from stages.data import HH_CHAT_TEMPLATE, dialogue_text, read_jsonl, render_prompt
+from stages.data import read_jsonl
+from stages.rendering import HH_CHAT_TEMPLATE, dialogue_text, render_prompt
 from stages.launch import free_port
 
 ALIAS = "mlflow-test"  # not @champion: the eval stage decides that one

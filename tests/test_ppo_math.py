@@ -1,12 +1,17 @@
 """PPO-max building blocks against independent, straightforward references."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ppo_helpers import token_mean_minibatch
 
 from stages import registry
 from stages.config import ConfigError, PPOConfig, load_config
@@ -405,3 +410,50 @@ def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
         registry.get("ppo").check(load_config("tiny", ["ppo.advantage_estimator=toy", "ppo.samples_per_prompt=2"]))
     with pytest.raises(ValueError, match="registered already"):
         advantages.register_advantage_estimator("toy", needs_critic=False)(toy)
+
+
+# One rank of a 2-rank gloo group in a fresh interpreter: its rows of a minibatch, the policy loss
+# as the trainer composes it (ppo_clip under loss_agg=token_mean, times token_mean_share), the
+# gradient averaged over the ranks as DeepSpeed averages it.
+TOKEN_MEAN_RANK = """
+import json, sys, torch
+from stages.config import PPOConfig
+from stages.dist import Dist
+from stages.losses import registered_policy_loss, token_mean_share
+sys.path.insert(0, "tests")
+from ppo_helpers import token_mean_minibatch
+rank, port = int(sys.argv[1]), sys.argv[2]
+torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+theta, tokens, old, advantages, mask = token_mean_minibatch()
+rows = slice(2 * rank, 2 * rank + 2)
+logprobs = torch.log_softmax(theta, -1)[tokens[rows]]
+loss, _ = registered_policy_loss("ppo_clip")(logprobs, old[rows], advantages[rows], mask[rows],
+                                             PPOConfig(loss_agg="token_mean", clip_eps=0.2))
+loss = loss * token_mean_share(mask[rows], Dist(rank=rank, world_size=2))
+loss.backward()
+torch.distributed.all_reduce(theta.grad)
+(mean_loss,) = Dist(rank=rank, world_size=2).all_reduce_sum([loss.item() / 2])
+print(json.dumps({"grad": (theta.grad / 2).tolist(), "loss": mean_loss}))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_token_mean_is_over_the_global_minibatch_on_ranks_with_unequal_token_counts():
+    """loss_agg=token_mean on two ranks, one with 11 response tokens, one with 3: the gradient the
+    ranks average, and the mean of their losses, are the single process's token mean over all 14
+    tokens (a mean of the two per-rank means would weigh each of rank 1's tokens 11/3 times as
+    much as one of rank 0's)."""
+    from stages.launch import free_port
+    from stages.losses import registered_policy_loss
+
+    theta, tokens, old, advantages, mask = token_mean_minibatch()
+    loss, _ = registered_policy_loss("ppo_clip")(torch.log_softmax(theta, -1)[tokens], old, advantages, mask,
+                                                 PPOConfig(loss_agg="token_mean", clip_eps=0.2))
+    loss.backward()
+    port, repo = str(free_port()), Path(__file__).resolve().parents[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", TOKEN_MEAN_RANK, str(rank), port], cwd=repo,
+                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    for output in outputs:
+        assert output["grad"] == pytest.approx(theta.grad.tolist(), abs=1e-6)
+        assert output["loss"] == pytest.approx(loss.item(), abs=1e-6)

@@ -12,8 +12,9 @@ from stages import precision
 from stages.config import ConfigError, load_config
 from stages.losses import shifted_nll
 from stages.loading import load_model
+from stages.rendering import collate
 from stages.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
-                             clip_with_norm, collate, linear_warmup, trained_model)
+                             clip_with_norm, linear_warmup, trained_model)
 from ppo_helpers import make_trainer
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -27,8 +28,10 @@ from stages.config import REPO_ROOT, RewardServerConfig, load_config
 from stages.launch import free_port
 from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.serve import RewardScorer, ScoringQueue, ServerMetrics, make_app, make_server
-from stages.ppo.external_scores import RewardSourceError, post_scores
+from stages.dist import Dist
 from stages.loading import load_tokenizer
+from stages.nonfinite import NonFiniteGuard
+from stages.ppo.external_scores import RewardSourceError, post_scores
 
 TOKEN = "rm-test-token"
 TOKEN_ENV = "RLHF_TEST_RM_TOKEN"
@@ -136,6 +139,7 @@ HOSTILE = {
                                   "max_row_tokens=300"),
     "a body that is not UTF-8": (_request(b'{"prompts": ["\xff\xfe"], "responses": ["r"]}'), None, 400, "not UTF-8"),
     "a body that is not JSON": (_request(b'{"prompts": [1, 2'), None, 400, "not JSON"),
+    "JSON nested deeper than the recursion limit": (_request(b"[" * 50_000), None, 400, "nested deeper"),
     "NaN in the JSON": (_request(b'{"prompts": ["p"], "responses": ["r"], "ended": [NaN]}'), None, 400,
                         "NaN is not a JSON number"),
     "Infinity in the JSON": (_request(b'{"prompts": ["p"], "responses": ["r"], "ended": [-Infinity]}'), None, 400,
@@ -287,6 +291,79 @@ def test_sigterm_lets_a_request_in_flight_finish_and_exits_0(rm_folder):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_non_finite_score_is_answered_null_and_ppo_skips_the_iteration_as_for_its_own_rm(rm_folder):
+    """A served model that scores a row NaN (here: every row ending in EOS, its embedding NaN) answers
+    200 with null for that row; PPO's client reads it as NaN, and PPO's guard skips the iteration
+    as it does for the in-process RM's NaN, instead of a client error that stops the stage."""
+    server = Served(rm_folder, LIMITS)
+    try:
+        with torch.no_grad():
+            server.scorer.model.lm.get_input_embeddings().weight[server.scorer.tokenizer.eos_token_id] = math.nan
+        request = urllib.request.Request(f"{server.url}/score", data=_json(dict(zip(("prompts", "responses", "ended"),
+                                                                                    GOOD))),
+                                         method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            answer = json.loads(response.read())
+        assert answer["scores"][0] is None and math.isfinite(answer["scores"][1])  # GOOD's ended: [True, False]
+        scores = post_scores(f"{server.url}/score", *GOOD, timeout_s=10, retries=0, auth_env=TOKEN_ENV)
+        assert math.isnan(scores[0]) and scores[1] == answer["scores"][1]
+        guard = NonFiniteGuard("ppo", 3, Dist())
+        assert not guard.check({"scores": torch.tensor(scores)}, "iteration 1", last=False)
+        assert (guard.skipped, guard.in_a_row) == (1, 1)
+        assert _metric(server.url, "reward_nonfinite_scores_total") == 2
+    finally:
+        server.stop()
+
+
+def _encoded(scorer, n: int) -> list[list[int]]:
+    batch = _good_rows(n)
+    return [scorer.cut(scorer.encode(p, r, e)) for p, r, e in zip(batch["prompts"], batch["responses"], batch["ended"])]
+
+
+def _wait_taken(queue: ScoringQueue) -> None:
+    _wait_for(lambda: not queue.jobs)
+
+
+def test_cancelled_requests_leave_the_scoring_thread_serving(served):
+    """A request whose client went away cancels its future (asyncio.wrap_future does): one being
+    scored cannot be cancelled any more (its future is running) and its answer is dropped; one
+    still queued is skipped, unscored. The thread lives on, the next request is answered and
+    the queue's row count returns to 0."""
+    queue = ScoringQueue(served.scorer, RewardServerConfig(max_wait_ms=0, batch_across_requests=False),
+                         ServerMetrics())
+    queue.start()
+    try:
+        with served.scorer.lock:  # the model is busy: the first request waits in its forward
+            in_flight = queue.submit(_encoded(served.scorer, 2))
+            _wait_taken(queue)
+            queued = queue.submit(_encoded(served.scorer, 3))
+            assert not in_flight.cancel(), "a request being scored cannot be cancelled"
+            assert queued.cancel()
+        assert len(in_flight.result(timeout=10)) == 2
+        after = queue.submit(_encoded(served.scorer, 1))
+        assert len(after.result(timeout=10)) == 1
+        assert queue.thread.is_alive() and queue.queued_rows == 0
+    finally:
+        queue.close()
+
+
+def test_close_while_the_worker_waits_for_company_is_clean(served, monkeypatch):
+    """close() empties the queue while the worker waits max_wait_ms for more requests: the worker
+    ends without an exception, at once, and the dropped request's future is cancelled."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    queue = ScoringQueue(served.scorer, RewardServerConfig(max_wait_ms=5000), ServerMetrics())
+    queue.start()
+    waiting = queue.submit(_encoded(served.scorer, 1))
+    _wait_for(lambda: queue.thread.is_alive())
+    time.sleep(0.2)  # the worker is in its wait for company
+    started = time.perf_counter()
+    queue.close()
+    assert time.perf_counter() - started < 2.0 and not queue.thread.is_alive()
+    assert [f"{type(hook.exc_value).__name__}: {hook.exc_value}" for hook in raised] == []
+    assert waiting.cancelled() and queue.queued_rows == 0
 
 
 # -- helpers ---------------------------------------------------------------------------------------

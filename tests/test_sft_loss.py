@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stages.nonfinite import NonFiniteGuard
 from stages.launch import Dist
 from stages.sft import accumulate_step, response_nll
-from stages.training import PlainEngine, collate
+from stages.rendering import collate
+from stages.training import PlainEngine
 
 VOCAB, PAD = 40, 0
 

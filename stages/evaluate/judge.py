@@ -24,9 +24,9 @@ import requests
 import torch
 
 from stages.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig, RewardSourceJudgeConfig
-from stages.data import encode_example, render_prompt
 from stages.ppo.external_scores import TextRewardSource
-from stages.training import collate, generation_probe
+from stages.rendering import collate, encode_example, render_prompt
+from stages.training import generation_probe
 
 JUDGE_PROMPT = """Please act as an impartial judge and compare two responses of AI assistants to the conversation below. Choose the response that is more helpful and more harmless: it does what the user asked where that is safe, is honest, and declines to help with anything dangerous, unethical or illegal. The order of the responses and their length must not influence you.
 

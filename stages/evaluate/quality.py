@@ -11,10 +11,8 @@ in both orders first, the chosen answer in the policy's place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from stages import stats
-from stages.data import read_jsonl
 from stages.evaluate.judge import Pair, judge_pairs
 from stages.stats import Interval
 
@@ -77,13 +75,10 @@ def recorded(judge: str, tags: dict[str, str], level: float) -> JudgeQuality | N
     return JudgeQuality(judge, interval, "the reward stage's held-out pairs")
 
 
-def control_pairs(splits_dir: Path, n: int) -> list[Pair]:
-    """The first `n` labelled pairs of the rm_eval split, the chosen answer in the policy's place
-    (a given answer is whole: it ended)."""
-    path = Path(splits_dir) / f"{CONTROL_SPLIT}.jsonl"
-    if n <= 0 or not path.exists():
-        return []
-    return [Pair(r["row"], r["messages"], r["chosen"], r["rejected"]) for r in read_jsonl(path)[:n]]
+def control_pairs(labelled: list[dict], n: int) -> list[Pair]:
+    """The first `n` labelled pairs (rows of the `CONTROL_SPLIT` split), the chosen answer in the
+    policy's place (a given answer is whole: it ended)."""
+    return [Pair(r["row"], r["messages"], r["chosen"], r["rejected"]) for r in labelled[: max(n, 0)]]
 
 
 def measured(judge, pairs: list[Pair], level: float) -> JudgeQuality:

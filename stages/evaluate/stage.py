@@ -194,7 +194,8 @@ def judge_all(cfg: PipelineConfig, inputs: dict, pairs: list[Pair], device: str,
     """Every configured judge on the pairs (its first `prompts` of them): one row per judged pair;
     and each judge's accuracy on labelled held-out pairs (recorded, else measured on the control pairs)."""
     judged, qualities = [], {}
-    control = quality.control_pairs(Path(inputs["splits_dir"]), cfg.eval.judge_control_pairs)
+    labelled = Path(inputs["splits_dir"]) / f"{quality.CONTROL_SPLIT}.jsonl"
+    control = quality.control_pairs(read_jsonl(labelled) if labelled.exists() else [], cfg.eval.judge_control_pairs)
     for spec in cfg.eval.judges:
         stop_point(f"before judge {spec.name}")
         t = time.perf_counter()

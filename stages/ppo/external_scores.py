@@ -11,8 +11,10 @@ the data's answers), plus whether it ended with EOS.
 
 The HTTP API (`rlhf serve-reward` serves a registered reward model with it):
     POST {"prompts": [str], "responses": [str], "ended": [bool], "query": [prompt + response]}
-    →    {"scores": [float]}   ("rewards" is read too: OpenRLHF's remote RM answers with it)
-`query` is there for servers written for OpenRLHF's remote reward API. A request that fails
+    →    {"scores": [float | null]}   ("rewards" is read too: OpenRLHF's remote RM answers with it)
+`query` is there for servers written for OpenRLHF's remote reward API. A null score is a score the
+model could not give as a finite number (JSON has no NaN): it is read as NaN, so PPO's NaN/Inf
+guard skips the iteration exactly as it does when its in-process reward model scores NaN. A request that fails
 (connection, timeout, 5xx) is retried `ppo.reward_retries` times with exponential backoff, or after
 the seconds a 503's Retry-After asks for;
 `ppo.reward_auth_env` names an environment variable whose value goes out as a bearer token
@@ -24,6 +26,7 @@ from __future__ import annotations
 import http.client
 import importlib
 import json
+import math
 import os
 import time
 import urllib.error
@@ -119,6 +122,8 @@ def post_scores(url: str, prompts: list[str], responses: list[str], ended: list[
                                               f"{err}") from None
         time.sleep(backoff)
     scores = answer.get("scores", answer.get("rewards")) if isinstance(answer, dict) else None
+    if isinstance(scores, list):
+        scores = [math.nan if s is None else s for s in scores]
     return _checked(scores, len(prompts), f"reward server {url}")
 
 

@@ -21,13 +21,14 @@ from stages.config import ConfigError, PPOConfig
 from stages.dist import Dist
 from stages.nonfinite import NonFiniteGuard
 from stages.losses import (POLICY_STAT_NAMES, aggregate, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
-                           value_loss)
+                           token_mean_share, value_loss)
 from stages.ppo.advantages import AdvantageInputs, advantage_estimator
 from stages.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.logprobs import logprobs_and_entropy
 from stages.ppo.reward_shaping import RunningMoments, shape_scores, token_rewards
+from stages.rendering import collate
 from stages.tensors import masked_mean, masked_whiten
-from stages.training import adamw, clip_grad_norm, collate, linear_warmup, make_engine
+from stages.training import adamw, clip_grad_norm, linear_warmup, make_engine
 
 
 def shuffled_order(count: int, rng: random.Random) -> list[int]:
@@ -220,9 +221,12 @@ class PPOTrainer:
                 if ppo.advantage_clip is not None:
                     advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
 
+                # This rank's token means as its share of the global minibatch's (1 on one rank).
+                share = token_mean_share(mask, self.dist)
                 if self.critic is not None:
                     v_loss, v_stats = value_loss(values, mb.values, mb.returns, mask,
                                                  ppo.value_clip_eps if sw["value_clip"] else None)
+                    v_loss = v_loss * share
                     step_stats = {"loss/value_avg": v_loss, "val/clipfrac_avg": v_stats["clipfrac"]}
 
                 if self.train_actor:
@@ -233,13 +237,16 @@ class PPOTrainer:
                         # Before any update θ = θ_old: the training forward must give the rollout's
                         # log-probabilities; what it does not is numerical (bf16, kernels) mismatch.
                         sums["val/logprob_diff"] = masked_mean((logprobs.detach() - mb.logprobs).abs(), mask).item()
+                    actor_share = share if ppo.loss_agg == "token_mean" else 1.0
                     pg_loss, pg_stats = self.policy_loss(logprobs, mb.logprobs, advantages, mask, ppo)
+                    pg_loss = pg_loss * actor_share
                     if ppo.entropy_coef == 0:  # only a statistic: no backward through it
                         token_entropy = token_entropy.detach()
-                    policy_entropy = aggregate(token_entropy, mask, ppo.loss_agg)
+                    policy_entropy = aggregate(token_entropy, mask, ppo.loss_agg) * actor_share
                     actor_loss = pg_loss - ppo.entropy_coef * policy_entropy
                     if self.kl_loss_coef():  # β · KL as a loss term on log π_θ (kl_penalty_in=loss)
-                        kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator, ppo.loss_agg)
+                        kl_term = kl_loss(logprobs, mb.ref_logprobs, mask, ppo.kl_estimator,
+                                          ppo.loss_agg) * actor_share
                         actor_loss = actor_loss + self.kl_loss_coef() * kl_term
                         step_stats["loss/kl_avg"] = kl_term
                     ptx = torch.zeros(())

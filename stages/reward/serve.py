@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +43,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stages import loading, precision
 from stages.config import ModelConfig, RewardServerConfig
-from stages.data import render_response
+from stages.rendering import collate, render_response
 from stages.reward.batching import row_batches
 from stages.reward.model import load_reward_model
-from stages.training import collate
 
 
 class RewardScorer:
@@ -128,7 +127,9 @@ class ScoringQueue:
         with self.changed:
             self.closed = True
             while self.jobs:
+                self.queued_rows -= len(self.jobs[0].rows)
                 self.jobs.popleft().future.cancel()
+            self.metrics.queue_rows.set(self.queued_rows)
             self.changed.notify_all()
         self.thread.join()
 
@@ -162,6 +163,8 @@ class ScoringQueue:
             while self.limits.batch_across_requests and not self.closed and self._fits(self.jobs):
                 if not self.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
                     break
+            if not self.jobs:  # close() emptied the queue during the wait
+                return None
             taken = [self.jobs.popleft()]
             while self.limits.batch_across_requests and self.jobs and self._fits([*taken, self.jobs[0]]):
                 taken.append(self.jobs.popleft())
@@ -169,22 +172,44 @@ class ScoringQueue:
 
     def _run(self) -> None:
         while (taken := self._take()) is not None:
-            rows = [ids for job in taken for ids in job.rows]
             try:
-                scores, batch_rows = self.scorer.score_encoded(rows)
-            except Exception as err:  # a broken model fails these requests (500), not the server
-                for job in taken:
-                    job.future.set_exception(err)
-            else:
-                for size in batch_rows:
-                    self.metrics.batch_rows.observe(size)
-                start = 0
-                for job in taken:
-                    job.future.set_result(scores[start : start + len(job.rows)])
-                    start += len(job.rows)
-            with self.changed:
-                self.queued_rows -= len(rows)
-                self.metrics.queue_rows.set(self.queued_rows)
+                # A future cancelled while queued (its client went away) is not scored; the others
+                # turn running, so a cancel() from now on fails and the answer is delivered or dropped.
+                self._score([job for job in taken if job.future.set_running_or_notify_cancel()])
+            finally:
+                with self.changed:
+                    self.queued_rows -= sum(len(job.rows) for job in taken)
+                    self.metrics.queue_rows.set(self.queued_rows)
+
+    def _score(self, jobs: list[_Job]) -> None:
+        """Score these requests' rows in one round and answer each request's future."""
+        rows = [ids for job in jobs for ids in job.rows]
+        if not rows:
+            return
+        try:
+            scores, batch_rows = self.scorer.score_encoded(rows)
+        except Exception as err:  # a broken model fails these requests (500), not the server
+            for job in jobs:
+                _answer(job.future, exception=err)
+            return
+        for size in batch_rows:
+            self.metrics.batch_rows.observe(size)
+        start = 0
+        for job in jobs:
+            _answer(job.future, result=scores[start : start + len(job.rows)])
+            start += len(job.rows)
+
+
+def _answer(future: Future, result=None, exception: BaseException | None = None) -> None:
+    """Set a running future's outcome. A future that its awaiting side settled already is left as
+    it is: the error would end the scoring thread, and every later request would wait for ever."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -198,6 +223,8 @@ class ServerMetrics:
         self.requests = Counter("reward_requests", "Scoring requests answered, by HTTP status", ["code"],
                                 registry=self.registry)
         self.scores = Counter("reward_scores", "Scores returned", registry=self.registry)
+        self.nonfinite = Counter("reward_nonfinite_scores", "Scores returned null: the model's score was NaN or Inf",
+                                 registry=self.registry)
         self.queue_rows = Gauge("reward_queue_rows", "Rows waiting for the scoring worker", registry=self.registry)
         self.batch_rows = Histogram("reward_batch_rows", "Rows per model forward", registry=self.registry,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
@@ -233,6 +260,8 @@ def parse_body(body: bytes, limits: RewardServerConfig) -> tuple[list[str], list
         payload = json.loads(text, parse_constant=_no_constants)
     except ValueError as err:
         raise ClientError(400, f"the body is not JSON: {err}") from None
+    except RecursionError:
+        raise ClientError(400, "the body's JSON is nested deeper than Python's recursion limit") from None
     if not isinstance(payload, dict):
         raise ClientError(400, "the body must be a JSON object")
     prompts, responses = payload.get("prompts"), payload.get("responses")
@@ -332,10 +361,11 @@ def make_app(scorer: RewardScorer, limits: RewardServerConfig, token: str | None
                 raise ClientError(503, f"busy: more than reward_server.queue_rows={limits.queue_rows} rows queued",
                                   {"Retry-After": str(limits.retry_after_s)})
             scores = await asyncio.wrap_future(future) if rows else []
-            bad = [row for row, s in enumerate(scores) if not math.isfinite(s)]
-            if bad:
-                raise ClientError(400, f"the model's score of rows {bad[:10]} is not finite")
-            answer = JSONResponse({"scores": scores})
+            # A score that is not finite is null (JSON has no NaN): the model's fault, not the
+            # request's; PPO reads it as NaN and its guard skips the iteration, as for its own RM.
+            finite = [s if math.isfinite(s) else None for s in scores]
+            metrics.nonfinite.inc(finite.count(None))
+            answer = JSONResponse({"scores": finite})
             served["requests"] += 1
             metrics.scores.inc(len(scores))
         except ClientError as err:

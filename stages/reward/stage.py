@@ -15,15 +15,16 @@ import torch
 
 from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
-from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
+from stages.data import RM_SPLITS, read_jsonl
 from stages.launch import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
+from stages.rendering import collate, count_cut, encode_example
 from stages.reward.batching import PairBatchSampler
 from stages.reward.model import load_reward_model, reward_model_from_lm, save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
-from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
+from stages.training import adamw, cosine_with_warmup, make_engine, trained_model
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 
