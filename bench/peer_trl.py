@@ -144,7 +144,7 @@ def our_trainer(spec: dict):
 
     torch.set_num_threads(spec["threads"])
     from stages.config import PipelineConfig
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.ppo.stage import initial_moments, load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve

@@ -14,7 +14,7 @@ import torch
 from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.losses import shifted_nll
 from stages.nonfinite import NonFiniteGuard
 from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model

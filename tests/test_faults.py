@@ -290,7 +290,7 @@ def test_a_disk_that_fills_inside_torch_save_is_a_disk_full_error(small_tmpfs):
     import torch
 
     from stages import checkpoint as shared
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.training import adamw, cosine_with_warmup, make_engine
 
     model = torch.nn.Linear(256, 256)

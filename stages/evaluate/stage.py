@@ -17,10 +17,10 @@ import torch
 from stages import interrupt, loading, precision, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
+from stages.dist import Dist
 from stages.evaluate import ceval, harness, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
-from stages.launch import Dist
 from stages.ppo.generation import generate
 from stages.ppo.stage import encode_prompts
 from stages.reward.model import load_reward_model

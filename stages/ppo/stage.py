@@ -14,7 +14,7 @@ from stages import lifecycle, loading, mlflow_models, precision, stats, tracking
 from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import encode_example, read_jsonl, render_prompt
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
 from stages.ppo.external_scores import RewardServerUnavailable, text_scores

@@ -16,7 +16,7 @@ import torch
 from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
