@@ -42,7 +42,8 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     from stages.config import PipelineConfig
     from stages.data import encode_example
     from stages.dist import Dist
-    from stages.ppo.stage import encode_prompts, initial_moments, load_models
+    from stages.ppo.setup import encode_prompts, initial_moments
+    from stages.ppo.stage import load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

@@ -22,7 +22,7 @@ from stages.evaluate import ceval, harness, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
 from stages.ppo.generation import generate
-from stages.ppo.stage import encode_prompts
+from stages.ppo.setup import encode_prompts
 from stages.reward.model import load_reward_model
 from stages.stats import Interval
 
