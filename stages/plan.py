@@ -45,7 +45,8 @@ from stages.launch import hostfile_slots, stage_device
 
 GiB = 1024**3
 ARCHITECTURES_DIR = REPO_ROOT / "infra" / "architectures"
-TRAINING_STAGES = ("sft", "reward", "critic", "ppo")
+# The stages that train: each runs on the lifecycle, which resumes it from its checkpoint.
+TRAINING_STAGES = tuple(s.name for s in registry.STAGES.values() if s.resumes)
 # DeepSpeed's default ZeRO-3 sub-group (deepspeed/runtime/zero/config.py, `sub_group_size`): its step
 # converts one sub-group's gradient partition to fp32 at a time.
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
@@ -355,7 +356,7 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
     each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight on SmolLM2's
     shapes). The sizes are asked of the libraries themselves, each shape once; 0 where nothing is
     packed."""
-    from stages.models.llama import mkl_packing_pays  # deferred: imports torch
+    from stages.models import mkl_packing_pays  # deferred: imports torch
 
     if precision == "fp32" and not mkl_packing_pays():
         return 0
@@ -366,12 +367,12 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
 def _packed_bytes(shape: tuple[int, int], rows: int, precision: str) -> int:
     import torch  # deferred, as the import below: the plan of a config alone loads no torch
 
-    from stages.models.llama import _mkl_pack, _onednn_pack  # deferred: as torch above
+    from stages.models import mkl_pack, onednn_pack  # deferred: as torch above
 
     if precision == "bf16":
-        packed = _onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
+        packed = onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
     else:
-        packed = _mkl_pack(torch.zeros(shape), rows)
+        packed = mkl_pack(torch.zeros(shape), rows)
     return 0 if packed is None else packed.numel() * packed.element_size()
 
 

@@ -29,15 +29,17 @@ import numpy as np
 import pandas as pd
 from mlflow.entities import Metric
 
-from stages import stats, tracking
+from stages import registry, stats, tracking
 from stages.config import PipelineConfig
 from stages.evaluate import report
 
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
-CHAIN_STAGES = ["data", "sft", "reward", "critic"]
-GOLD_STAGES = ["reward"]
-ARM_STAGES = ["ppo", "eval"]
+# An arm's stages make or read the policy; the chain's, every other stage, run once for all arms;
+# the gold reward model is the reward stage's model trained on the gold splits.
+ARM_STAGES = [s.name for s in registry.STAGES.values() if "policy_model" in (*s.outputs, *s.inputs)]
+CHAIN_STAGES = [name for name in registry.names() if name not in ARM_STAGES]
+GOLD_STAGES = [s.name for s in registry.STAGES.values() if s.registers == "reward"]
 GOLD_JUDGE = "gold"  # the gold RM's name as a judge: eval/judge/gold/...
 BEST_OF_N = "best_of_n"  # the `rlhf.arm_kind` tag of a best-of-n arm's run
 CURVES = {"eval/score": "held-out RM score", "eval/kl": "tempered KL to SFT (nats per response)",
