@@ -57,7 +57,7 @@ def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: f
     its checkpoints folder."""
     before = set(runs_dir().iterdir())
     # RLHF_SUPERVISED=1: this process does the work itself. Unset, `rlhf run` would run it in a child
-    # of its own session (flows/cli.py `_supervise`), which the SIGKILL of this group does not reach:
+    # of its own session (flows/supervise.py `supervise`), which the SIGKILL of this group does not reach:
     # the child's watcher ends it once it sees its supervisor gone (it polls every 0.2 s), time enough
     # for a tiny stage to write one more checkpoint after the test had read the newest (resumed from
     # step-000004, expected step-000002).

@@ -196,6 +196,30 @@ def champion_decision(judge: str, net_win: Interval, min_lower_bound: float) -> 
     return won, f"{'yes' if won else 'no'} ({reason})"
 
 
+def judge_verdict(cfg: PipelineConfig, judged: pd.DataFrame,
+                  metrics: dict[str, float]) -> tuple[pd.DataFrame, str, bool]:
+    """The judges' table; each judge's tallies and intervals into `metrics`, with `eval/champion`;
+    and the champion decision: (table, the sentence that says why, whether the policy won)."""
+    judge_table = report.judge_table(judged, cfg.statistics)
+    intervals = {}
+    for spec in cfg.eval.judges:
+        own = judged[judged["judge"] == spec.name]
+        for key, value in tally(own).items():
+            metrics[f"eval/judge/{spec.name}/{key}"] = value
+        intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
+        for name, interval in intervals[spec.name].items():
+            metrics.update(interval.metrics(f"eval/judge/{spec.name}/{name}"))
+    decider, unusable = deciding_judge(cfg, metrics)
+    if decider is None:
+        won, champion = False, f"no (no judge could judge: {', '.join(unusable)})"
+    else:
+        won, champion = champion_decision(decider, intervals[decider]["net_win"], cfg.eval.champion_min_lower_bound)
+        if unusable:
+            champion += f"; {', '.join(unusable)} could not judge"
+    metrics["eval/champion"] = float(won)
+    return judge_table, champion, won
+
+
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
@@ -237,23 +261,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         metrics.update(report.lm_eval_metrics(lm_eval_table))
     judge_table, champion = None, "no policy"
     if len(judged):
-        judge_table = report.judge_table(judged, cfg.statistics)
-        intervals = {}
-        for spec in ev.judges:
-            own = judged[judged["judge"] == spec.name]
-            for key, value in tally(own).items():
-                metrics[f"eval/judge/{spec.name}/{key}"] = value
-            intervals[spec.name] = report.judge_intervals(own, cfg.statistics)
-            for name, interval in intervals[spec.name].items():
-                metrics.update(interval.metrics(f"eval/judge/{spec.name}/{name}"))
-        decider, unusable = deciding_judge(cfg, metrics)
-        if decider is None:
-            won, champion = False, f"no (no judge could judge: {', '.join(unusable)})"
-        else:
-            won, champion = champion_decision(decider, intervals[decider]["net_win"], ev.champion_min_lower_bound)
-            if unusable:
-                champion += f"; {', '.join(unusable)} could not judge"
-        metrics["eval/champion"] = float(won)
+        judge_table, champion, won = judge_verdict(cfg, judged, metrics)
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
     metrics["eval/seconds"] = time.perf_counter() - started
