@@ -25,6 +25,7 @@ from stages.ppo.generation import generate
 from stages.ppo.setup import encode_prompts
 from stages.reward.model import load_reward_model
 from stages.stats import Interval
+from stages.tags import CHAMPION_TAG
 
 CHAMPION_ALIAS = "champion"
 
@@ -266,7 +267,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
-    tracker.set_tags({"rlhf.champion": champion})
+    tracker.set_tags({CHAMPION_TAG: champion})
 
     # The report, its tables and plots, and the contract's probe frame.
     out = tracker.workdir / "report"

@@ -25,6 +25,7 @@ from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
 from stages.reward.model import load_reward_model
 from stages.tensors import masked_mean
 from stages.training import trained_model
+from stages.tags import ADVANTAGE_ESTIMATOR_TAG, INPUT_TAG_PREFIX, PPO_PRESET_TAG
 
 
 
@@ -271,9 +272,9 @@ class PPOTraining(lifecycle.TrainingStage):
             policy.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
 
-        lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
+        lineage = {PPO_PRESET_TAG: ppo.preset, ADVANTAGE_ESTIMATOR_TAG: ppo.advantage_estimator, **guard.tags()}
         if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held
-            lineage["rlhf.input.critic_model"] = ""
+            lineage[f"{INPUT_TAG_PREFIX}critic_model"] = ""
         return lifecycle.Finish({}, "policy_probe", probe=guard.passing_probe, save=save, pack=mlflow_models.chat(self.cfg),
                                 lineage=lineage, tags=guard.tags(), folders=(guard.directory,))
 

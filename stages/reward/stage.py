@@ -24,6 +24,7 @@ from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
+from stages.tags import HELDOUT_ACCURACY_TAG, SCORE_MEAN_TAG, SCORE_STD_TAG
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 
@@ -238,9 +239,9 @@ class RewardTraining(lifecycle.TrainingStage):
             save=lambda out: save_reward_model(trained_model(engine), self.tokenizer, out, {
                 "heldout_pairs": len(heldout), "heldout_accuracy": metrics["eval/accuracy"]}),
             pack=scorer_pack(self.cfg, self.dist),
-            lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
-                     "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
-                     "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"},
+            lineage={HELDOUT_ACCURACY_TAG: f"{metrics['eval/accuracy']:.4f}",
+                     SCORE_MEAN_TAG: f"{metrics['eval/score_mean']:.6g}",
+                     SCORE_STD_TAG: f"{metrics['eval/score_std']:.6g}"},
             report=report)
 
 
