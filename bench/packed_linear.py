@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages import plan, precision  # noqa: E402
 from stages.config import load_config  # noqa: E402
-from stages.models.llama import _mkl_pack, _onednn_pack  # noqa: E402
+from stages.models.llama import mkl_pack, onednn_pack  # noqa: E402
 
 
 def main() -> None:
@@ -49,10 +49,10 @@ def main() -> None:
     weights = [torch.randn(*shape) * 0.02 for shape in shapes]
     weights_bf16 = [w.bfloat16() for w in weights]
     for batch in args.batch:
-        packed = [_mkl_pack(w, batch) for w in weights]
+        packed = [mkl_pack(w, batch) for w in weights]
         if any(p is None for p in packed):
             raise SystemExit("this torch build has no MKL packed GEMM")
-        packed_bf16 = [_onednn_pack(w, batch) for w in weights_bf16]
+        packed_bf16 = [onednn_pack(w, batch) for w in weights_bf16]
         if any(p is None for p in packed_bf16):
             raise SystemExit("this CPU or torch build has no oneDNN bf16")
         xs = [torch.randn(batch, w.shape[1]) for w in weights]

@@ -144,8 +144,9 @@ def our_trainer(spec: dict):
 
     torch.set_num_threads(spec["threads"])
     from stages.config import PipelineConfig
-    from stages.launch import Dist
-    from stages.ppo.stage import initial_moments, load_models
+    from stages.dist import Dist
+    from stages.ppo.setup import initial_moments
+    from stages.ppo.stage import load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 
@@ -203,7 +204,7 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
 
     from stages import loading
     from stages.data import load_pairs, make_splits, split_texts
-    from stages.ppo.stage import encode_prompts
+    from stages.ppo.setup import encode_prompts
     from stages.ppo.trainer import shuffled_order
     from stages.reward.model import reward_model_from_lm, save_reward_model
 

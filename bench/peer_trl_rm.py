@@ -154,7 +154,7 @@ def run_ours(spec: dict) -> None:
     from stages import loading, precision
     from stages.config import PipelineConfig
     from stages.nonfinite import NonFiniteGuard
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.reward.model import load_reward_model
     from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, step_totals
     from stages.training import adamw, cosine_with_warmup, make_engine
@@ -205,7 +205,7 @@ def prepare(args, tmp: Path) -> dict:
     from stages import loading
     from stages.config import load_config
     from stages.data import load_pairs, make_splits, split_texts
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.reward.model import reward_model_from_lm, save_reward_model
     from stages.reward.stage import encode_pairs, make_sampler
 

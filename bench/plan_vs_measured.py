@@ -68,7 +68,7 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     from stages import loading, plan, precision
     from stages.config import load_config
     from stages.nonfinite import NonFiniteGuard
-    from stages.launch import Dist
+    from stages.dist import Dist
 
     torch.manual_seed(0)
     cfg = load_config(preset, overrides)

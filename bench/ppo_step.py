@@ -41,8 +41,9 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
 
     from stages.config import PipelineConfig
     from stages.rendering import encode_example
-    from stages.launch import Dist
-    from stages.ppo.stage import encode_prompts, initial_moments, load_models
+    from stages.dist import Dist
+    from stages.ppo.setup import encode_prompts, initial_moments
+    from stages.ppo.stage import load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

@@ -81,7 +81,7 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
     from stages import loading
     from stages.rendering import encode_example
     from stages.nonfinite import NonFiniteGuard
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.sft import accumulate_step, heldout_perplexity
     from stages.training import PlainEngine, adamw, cosine_with_warmup, trained_model
 
@@ -122,7 +122,7 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
 def bench_rm(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -> None:
     import torch
 
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.reward.model import reward_model_from_lm
     from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
     from stages.training import PlainEngine, adamw, cosine_with_warmup, trained_model

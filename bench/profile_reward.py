@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import SHAPES  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from stages.launch import Dist  # noqa: E402
+from stages.dist import Dist  # noqa: E402
 from stages.reward.model import RewardModel  # noqa: E402
 from stages.reward.stage import forward_pairs  # noqa: E402
 from stages.rendering import collate  # noqa: E402

@@ -41,7 +41,7 @@ def worker(mode: str, config: dict, model_dir: str, rows: list[dict], turns: int
 
     from stages import loading, precision
     from stages.config import PipelineConfig
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.reward.model import reward_model_from_lm
     from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch
     from stages.training import PlainEngine, adamw

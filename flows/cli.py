@@ -8,24 +8,18 @@ import contextlib
 import faulthandler
 import logging
 import os
-import re
 import signal
-import subprocess
 import sys
-import threading
-import time
-import types
-import typing
 from pathlib import Path
 
 import yaml
 from filelock import FileLock
-from pydantic import BaseModel
-from pydantic_core import to_jsonable_python
 
 from flows import services
+from flows.config_doc import REFERENCE_COMMAND, config_reference, explain
+from flows.supervise import SUPERVISED, die_with_the_supervisor, supervise
 from stages import allocator, interrupt, plan, registry, runs, tracking
-from stages.config import ConfigError, PipelineConfig, config_fields, load_config, rlhf_home
+from stages.config import ConfigError, load_config, rlhf_home
 from stages.data import own_source_config, own_sources
 from stages.plan import TRAINING_STAGES
 from stages.loading import DataError, ModelError, locate
@@ -115,60 +109,6 @@ def _stop_on_signals():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-SUPERVISED = "RLHF_SUPERVISED"  # set in the child that `_supervise` runs a command in
-
-
-def _supervise(argv: list[str]) -> int:
-    """Run `rlhf <argv>` in a child process of its own session, and relay the user's signals to it.
-
-    Ctrl-C in a terminal signals the whole foreground process group: without this, Prefect's
-    temporary API server and a stage's ranks would die with the first one, and the flow could not
-    record where it stopped. Here only this process gets it; the first SIGINT/SIGTERM is passed to
-    the child alone, whose stage stops at its next step boundary; a second kills the child's
-    session at once. The child's output passes through; this process notes the pipeline run it
-    names, for the resume command."""
-
-    env = allocator.environment({**os.environ, SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
-    child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=env, start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    received: list[int] = []
-    seen = {"text": "", "run": None}
-    lock = threading.Lock()
-
-    def relay(source, target) -> None:
-        for chunk in iter(lambda: os.read(source.fileno(), 65536), b""):
-            target.buffer.write(chunk)
-            target.flush()
-            with lock:
-                seen["text"] = (seen["text"] + chunk.decode(errors="replace"))[-8192:]
-                found = re.findall(r"\bpipeline run ([0-9a-f]{32})\b", seen["text"])
-                seen["run"] = found[-1] if found else seen["run"]
-
-    def on_signal(signum, frame) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            os.kill(child.pid, signal.SIGINT)
-            return
-        resume = f"; continue it with: {services.command('rlhf')} run --resume {seen['run']}" if seen["run"] else ""
-        print(f"\nrlhf: second {signal.Signals(signum).name}: stopped at once{resume}", file=sys.stderr, flush=True)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    readers = [threading.Thread(target=relay, args=pair, daemon=True)
-               for pair in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
-    try:
-        for reader in readers:
-            reader.start()
-        code = child.wait()
-        for reader in readers:
-            reader.join(timeout=5)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 130 if len(received) > 1 else code
 
 
 def _check_runs_exist(args: argparse.Namespace) -> None:
@@ -300,134 +240,6 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flow(value) -> str:
-    """A value as one line of YAML (flow style), as `rlhf config` would print it."""
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, allow_unicode=True, width=1 << 30).strip()
-    return text.removesuffix("\n...").strip()
-
-
-def _short(value) -> str:
-    """A list of sections (eval.judges) by its items' names; anything else as `_flow`."""
-    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
-        return "[" + ", ".join(str(v["name"]) for v in value) + "]"
-    return _flow(value)
-
-
-def _explain(cfg, preset: str, overrides: list[str]) -> str:
-    """`rlhf config --explain`: every field of the resolved config, one line each: dotted name =
-    value, then the typed default and what changed it (the preset or --set), then the
-    description, which names the value's source. Sections are comment headings."""
-
-    by_preset: dict | None = None
-    if overrides:
-        try:
-            by_preset = {f.name: f.value for f in config_fields(load_config(preset))}
-        except ConfigError:  # the preset alone does not validate: name both layers
-            by_preset = None
-    fields = list(config_fields(cfg))
-    lefts = {}
-    for f in fields:
-        if f.section:
-            continue
-        left = f"{f.name} = {_short(f.value)}"
-        if f.effective is not None:
-            left += f" (ppo.preset {cfg.ppo.preset}: {_flow(f.effective)})"
-        if f.value != f.default:
-            if not overrides:
-                layer = f"preset {cfg.preset}"
-            elif by_preset is None:
-                layer = f"preset {cfg.preset} or --set"
-            else:
-                layer = f"preset {cfg.preset}" if by_preset.get(f.name, object()) == f.value else "--set"
-            left += f" (default {_short(f.default)}, {layer})"
-        lefts[f.name] = left
-    width = max((len(left) for left in lefts.values() if len(left) <= 72), default=0)
-    lines = [f"# rlhf config --preset {preset}" + "".join(f" --set {o}" for o in overrides)
-             + ": name = value (default, changed by)  # description and source"]
-    for f in fields:
-        if f.section:
-            lines.append(f"\n# {f.name}: {f.description}" if f.description else f"\n# {f.name}")
-        else:
-            lines.append(f"{lefts[f.name]:<{width}}  # {f.description}".rstrip())
-    return "\n".join(lines)
-
-
-REFERENCE_COMMAND = "rlhf config --explain --markdown > docs/config.md"
-
-
-def _type_name(annotation) -> str:
-    """A field's type as a reader writes it: `int | None`, `'stop' | 'warn'`, `list[str]`, a
-    section's class name."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
-    if annotation is type(None):
-        return "None"
-    if annotation is typing.Any:
-        return "any"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _sections_in(annotation) -> list:
-    """The config sections (pydantic models) a field holds: itself one, or the items of a list of them."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [found for arg in typing.get_args(annotation) for found in _sections_in(arg)]
-
-
-def _markdown_section(model: type, path: str, heading: str, description: str, depth: int) -> list[str]:
-    """A config section as markdown: its heading and description, a table of its own fields (name,
-    type, default, description), then each nested section at the next heading level."""
-
-    def cell(text: str) -> str:
-        """Text in a table cell: pipes escaped, and outside code spans `<` and `*`, which markdown
-        would read as an HTML tag (`<prefix>`) or emphasis."""
-        parts = text.replace("|", "\\|").replace("\n", " ").split("`")
-        return "`".join(part if k % 2 else part.replace("<", "&lt;").replace("*", "\\*") for k, part in enumerate(parts))
-
-    lines = [f"{'#' * depth} {heading}", ""]
-    if description:
-        lines += [description, ""]
-    rows, nested = [], []
-    for name, field in model.model_fields.items():
-        dotted = f"{path}{name}"
-        about = " ".join((field.description or "").split())
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            nested.append((field.annotation, f"{dotted}.", dotted, about))
-            continue
-        default = "(required)" if field.is_required() else \
-            "`" + _short(to_jsonable_python(field.get_default(call_default_factory=True))).replace("|", "\\|") + "`"
-        rows.append(f"| `{dotted}` | {cell(_type_name(field.annotation))} | {default} | {cell(about)} |")
-        for item in _sections_in(field.annotation):  # a list of sections (eval.judges): each kind's fields
-            kind = item.model_fields.get("kind")
-            title = f"{dotted}[] with kind: {kind.default}" if kind is not None else f"{dotted}[]"
-            nested.append((item, f"{dotted}[].", title, " ".join((item.__doc__ or "").split())))
-    if rows:
-        lines += ["| field | type | default | description |", "|---|---|---|---|", *rows, ""]
-    for section, prefix, title, about in nested:
-        lines += _markdown_section(section, prefix, title, about, min(depth + 1, 4))
-    return lines
-
-
-def config_reference() -> str:
-    """`rlhf config --explain --markdown`: every field of the config with its type, its typed
-    default and its description (which names its source), one section per stage config; the
-    page docs/config.md."""
-    intro = " ".join([
-        f"Generated from the fields of `stages/config.py` by `{REFERENCE_COMMAND}`: edit the",
-        "`Field(description=…)` there, not this page. A preset (`infra/presets`) or `--set section.field=value`",
-        "changes a value; `rlhf config --explain --preset NAME` prints a preset's values and what changed them.",
-        "The defaults are the typed defaults (the paper's, where it gives one): the top-level fields first, then",
-        "one section per stage and shared setting."])
-    return "\n".join(_markdown_section(PipelineConfig, "", "Configuration reference", intro, 1)).rstrip() + "\n"
-
-
 def _precision_line(cfg) -> str:
     """What model.precision resolves to on this machine (a YAML comment)."""
     import torch  # deferred: torch only for the precision line
@@ -517,40 +329,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _die_with_the_supervisor() -> None:
-    """In the supervised child: if the supervisor dies (SIGKILL leaves it no word to say), take this
-    process's group with it (the Prefect API server and any ranks it started)."""
-
-    supervisor = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == supervisor:
-            time.sleep(0.2)
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="die-with-supervisor", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the console command (not a caller's main([...]), whose stderr may be no file)
-
-        # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        if argv is None and sys.argv[1:2] in (["run"], ["study"]):
-            if os.environ.get(SUPERVISED) != "1":
-                return _supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)
-            _die_with_the_supervisor()
-        if argv is None and sys.argv[1:2] == ["serve"] and (env := allocator.environment(dict(os.environ))) != os.environ:
-            # The flow runs it serves inherit this process's allocator, chosen at its start.
-            os.execve(sys.executable, [sys.executable, "-m", "flows.cli", *sys.argv[1:]], env)
-    except allocator.AllocatorError as err:
-        print(f"rlhf: {err}", file=sys.stderr)
-        return 2
-    _env_defaults()
-    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="run the pipeline on the embedded defaults (no server needed)")
     _config_args(run)
     run.add_argument("--stages", default=None, help="comma-separated subset of stages (default: all)")
@@ -566,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                      help="memory per device for the plan check (default: the GPU's, or the host's available RAM)")
 
+
+def _add_plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="predicted peak memory per device of each training stage and role, before "
                                        "any model loads; exit 1 if a stage does not fit")
     _config_args(plan)
@@ -582,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="memory per device (default: the GPU's, or the host's available RAM)")
     plan.add_argument("--stages", default=None, help="comma-separated training stages (default: all)")
 
+
+def _add_study_parser(sub) -> None:
     study = sub.add_parser("study", help="PPO arms (ppo-max, vanilla, ...) on one shared chain: curves and a table "
                                          "with confidence intervals")
     _config_args(study)
@@ -592,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                             "figure and table are made again with it; e.g. --arm 'vanilla lr x50={ppo.preset: "
                             "vanilla, ppo.actor_lr: 1.0e-4}'")
 
+
+def _add_service_parsers(sub) -> None:
+    """serve, up, down and serve-reward: the long-running services."""
     serve = sub.add_parser("serve", help="serve the deployments rlhf/full, rlhf/sft, ...")
     serve.add_argument("--preset", default=os.environ.get("RLHF_PRESET", "demo"))
 
@@ -618,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="override a config value, e.g. --set reward_server.queue_rows=512 (the "
                                    "reward_server section: batching and limits; repeatable)")
 
+
+def _add_record_parsers(sub) -> None:
+    """runs, compare and report: what MLflow recorded."""
     runs_command = sub.add_parser("runs", help="list pipeline runs: stages, status, headline metrics")
     runs_command.add_argument("--experiment", default="rlhf")
     runs_command.add_argument("--preset", default=None, help="only runs of this preset")
@@ -631,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("study_run", metavar="STUDY_RUN", help="the study's MLflow run id")
     report.add_argument("--out", default=None, help="also write it to this file")
 
+
+def _add_config_parser(sub) -> None:
     show = sub.add_parser("config", help="print the resolved configuration")
     _config_args(show)
     show.add_argument("--explain", action="store_true",
@@ -640,110 +431,149 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"with --explain: the reference of every field (type, typed default, description) as "
                            f"markdown, whatever the preset: `{REFERENCE_COMMAND}`")
 
-    args = parser.parse_args(argv)
 
-    try:
-        if args.command == "config" and args.markdown:
-            if not args.explain or args.preset or args.overrides:
-                raise ConfigError(f"--markdown: the reference of the typed defaults; give it with --explain and "
-                                  f"without --preset/--set ({REFERENCE_COMMAND})")
-            sys.stdout.write(config_reference())
-            return 0
-        if args.command == "config":
-            args.preset = args.preset or "demo"
-            cfg = load_config(args.preset, args.overrides)
-            print(_explain(cfg, args.preset, args.overrides) if args.explain
-                  else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-            print(_precision_line(cfg))
-            print(_allocator_line())
-            return 0
-        if args.command == "serve":
-            from prefect import serve as prefect_serve  # deferred: Prefect
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run_parser, _add_plan_parser, _add_study_parser, _add_service_parsers, _add_record_parsers,
+                _add_config_parser):
+        add(sub)
+    return parser
 
-            from flows.rlhf import deployments  # deferred: Prefect
 
-            prefect_serve(*deployments(args.preset))
-            return 0
-        if args.command == "up":
-            return _up(args)
-        if args.command == "serve-reward":
-            return _serve_reward(args)
-        if args.command == "down":
-            stopped = services.down()
-            print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")
-            return 0
-        if args.command == "runs":
-            print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
-            return 0
-        if args.command == "compare":
-            return _compare(args)
-        if args.command == "study":
-            return _study(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command == "plan":
-            return _plan(args)
-        if args.contracts:
-            args.overrides.append(f"contracts.mode={args.contracts}")
-        if args.resume and (args.preset or args.overrides):
-            raise ConfigError(f"--resume {args.resume}: a resumed run keeps the config it started with; leave out "
-                              f"--preset/--set/--contracts, or start a new run (--from-run {args.resume})")
-        args.preset = args.preset or "demo"
-        cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
-        stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
-
-        unknown = [name for name in stages or () if name not in registry.STAGES]
-        if unknown:
-            raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
-        if not args.resume and (stages is None or "data" in stages):
-            locate(cfg.data.pairs, cfg.data)  # a hub data set is downloaded here, before Prefect starts
-            for spec in own_sources(cfg.data).values():
-                locate(spec, own_source_config(cfg.data))
-        if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
-            _check_plan(args, cfg, stages)
-        from flows.rlhf import rlhf  # deferred: Prefect
-
-        from data_contracts import ContractError  # deferred: Great Expectations
-
-        from prefect.exceptions import CancelledRun  # deferred: Prefect
-
-        from stages.ppo.external_scores import RewardServerUnavailable  # deferred: imports torch
-
-        state = None
-        try:
-            # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
-            # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
-            # The errors named are the expected ones, whose log lines are cut short too.
-            expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable, RewardServerUnavailable)
-            with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
-                _open_stores()
-                _check_runs_exist(args)
-                state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
-                             resume=args.resume, force=args.force, return_state=True)
-                run_id = state.result()
-        except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
-            print(f"rlhf: {err}", file=sys.stderr)
-            return 130
-        except ContractError as err:
-            print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
-                  f"under contracts/.", file=sys.stderr)
-            return 2
-        except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
-            print(f"rlhf: {err}", file=sys.stderr)
-            return 1
-        except Exception as err:
-            failure = None if isinstance(err, (ConfigError, DataError)) else _recorded_failure(cfg, args.resume, state)
-            if failure is None:
-                raise
-            # The run is over: Prefect's note that its temporary API server stops (at exit) would
-            # otherwise follow the failure's last line.
-            logging.getLogger("prefect").setLevel(logging.WARNING)
-            print(failure, file=sys.stderr)
-            return 1
-
-        print(f"\n{runs.ending(run_id).text}\n\nMLflow store: {tracking.tracking_uri()}\n"
-              f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
+def _config(args: argparse.Namespace) -> int:
+    """`rlhf config`: the resolved config (or, with --explain --markdown, the reference of every field)."""
+    if args.markdown:
+        if not args.explain or args.preset or args.overrides:
+            raise ConfigError(f"--markdown: the reference of the typed defaults; give it with --explain and "
+                              f"without --preset/--set ({REFERENCE_COMMAND})")
+        sys.stdout.write(config_reference())
         return 0
+    args.preset = args.preset or "demo"
+    cfg = load_config(args.preset, args.overrides)
+    print(explain(cfg, args.preset, args.overrides) if args.explain
+          else yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    print(_precision_line(cfg))
+    print(_allocator_line())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from prefect import serve as prefect_serve  # deferred: Prefect
+
+    from flows.rlhf import deployments  # deferred: Prefect
+
+    prefect_serve(*deployments(args.preset))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    stopped = services.down()
+    print(f"stopped {', '.join(stopped)}" if stopped else "nothing to stop")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`rlhf run`: the config and the data checked, the memory planned, then the flow."""
+    if args.contracts:
+        args.overrides.append(f"contracts.mode={args.contracts}")
+    if args.resume and (args.preset or args.overrides):
+        raise ConfigError(f"--resume {args.resume}: a resumed run keeps the config it started with; leave out "
+                          f"--preset/--set/--contracts, or start a new run (--from-run {args.resume})")
+    args.preset = args.preset or "demo"
+    cfg = load_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+
+    unknown = [name for name in stages or () if name not in registry.STAGES]
+    if unknown:
+        raise ConfigError(f"--stages: {registry.unknown_stage_message(unknown)}")
+    if not args.resume and (stages is None or "data" in stages):
+        locate(cfg.data.pairs, cfg.data)  # a hub data set is downloaded here, before Prefect starts
+        for spec in own_sources(cfg.data).values():
+            locate(spec, own_source_config(cfg.data))
+    if not args.resume and not args.ignore_plan:  # a resumed run keeps its recorded config: planned then
+        _check_plan(args, cfg, stages)
+    from flows.rlhf import rlhf  # deferred: Prefect
+
+    from data_contracts import ContractError  # deferred: Great Expectations
+
+    from prefect.exceptions import CancelledRun  # deferred: Prefect
+
+    from stages.ppo.external_scores import RewardServerUnavailable  # deferred: imports torch
+
+    state = None
+    try:
+        # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
+        # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
+        # The errors named are the expected ones, whose log lines are cut short too.
+        expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable, RewardServerUnavailable)
+        with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
+            _open_stores()
+            _check_runs_exist(args)
+            state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
+                         resume=args.resume, force=args.force, return_state=True)
+            run_id = state.result()
+    except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 130
+    except ContractError as err:
+        print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
+              f"under contracts/.", file=sys.stderr)
+        return 2
+    except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        failure = None if isinstance(err, (ConfigError, DataError)) else _recorded_failure(cfg, args.resume, state)
+        if failure is None:
+            raise
+        # The run is over: Prefect's note that its temporary API server stops (at exit) would
+        # otherwise follow the failure's last line.
+        logging.getLogger("prefect").setLevel(logging.WARNING)
+        print(failure, file=sys.stderr)
+        return 1
+
+    print(f"\n{runs.ending(run_id).text}\n\nMLflow store: {tracking.tracking_uri()}\n"
+          f"Open it with: {services.command('mlflow')} ui --backend-store-uri {tracking.tracking_uri()}")
+    return 0
+
+
+COMMANDS = {"run": _run, "plan": _plan, "study": _study, "serve": _serve, "up": _up, "down": _down,
+            "serve-reward": _serve_reward, "runs": _runs, "compare": _compare, "report": _report, "config": _config}
+
+
+def _console_start() -> int | None:
+    """The console command's own process: `run` and `study` under the supervisor, `serve` on the
+    allocator its flow runs inherit. An exit code where this process is done, else None."""
+    # A run that seems stuck: `kill -USR1 <pid>` prints where each of its threads is, and goes on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        if sys.argv[1:2] in (["run"], ["study"]):
+            if os.environ.get(SUPERVISED) != "1":
+                return supervise(sys.argv[1:])  # the console command: stoppable with Ctrl-C (above)
+            die_with_the_supervisor()
+        if sys.argv[1:2] == ["serve"] and (env := allocator.environment(dict(os.environ))) != os.environ:
+            # The flow runs it serves inherit this process's allocator, chosen at its start.
+            os.execve(sys.executable, [sys.executable, "-m", "flows.cli", *sys.argv[1:]], env)
+    except allocator.AllocatorError as err:
+        print(f"rlhf: {err}", file=sys.stderr)
+        return 2
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    # argv None: the console command (not a caller's main([...]), whose stderr may be no file)
+    if argv is None and (code := _console_start()) is not None:
+        return code
+    _env_defaults()
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
     except (ConfigError, DataError, allocator.AllocatorError) as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 2

@@ -172,6 +172,16 @@ def _summary(cfg: PipelineConfig, pipeline_run_id: str, outputs: dict[str, Any])
     )
 
 
+def _check_stages(cfg: PipelineConfig, stages: list[str]) -> None:
+    """An unknown stage name, or a setting a later stage cannot run with, fails before the first
+    stage runs."""
+    unknown = [name for name in stages if name not in registry.STAGES]
+    if unknown:
+        raise ValueError(registry.unknown_stage_message(unknown))
+    for name in stages:
+        registry.get(name).check(cfg)
+
+
 @flow(name="rlhf", log_prints=True)
 def rlhf(
     preset: str = "demo",
@@ -203,11 +213,7 @@ def rlhf(
         stages = [name for name in (stages or remaining) if name in remaining]
     else:
         stages = stages or registry.names()
-    unknown = [name for name in stages if name not in registry.STAGES]
-    if unknown:
-        raise ValueError(registry.unknown_stage_message(unknown))
-    for name in stages:  # a setting a later stage cannot run with fails before the first one runs
-        registry.get(name).check(cfg)
+    _check_stages(cfg, stages)
     if from_run == "latest":
         from_run = tracking.latest_pipeline_run(cfg)
         if from_run is None:

@@ -24,7 +24,7 @@ from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.ppo.experience import reward_model_scores
 from stages.ppo.generation import generate
-from stages.ppo.stage import encode_prompts
+from stages.ppo.setup import encode_prompts
 from stages.reward.model import load_reward_model
 
 

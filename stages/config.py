@@ -215,10 +215,17 @@ class _TrainingSection(_Section):
 class _PromptAnswerSection(_TrainingSection):
     """A training stage on (prompt, answer) examples cut to fit (SFT, the reward model):
     `stages.rendering.encode_example` cuts the answer to max_response_len and the prompt to what is left
-    of max_seq_len."""
+    of max_seq_len. Both train for epochs capped by max_steps, log and checkpoint every N steps."""
 
     max_seq_len: int = Field(512, description="Prompt + answer cap in tokens. ours: HH dialogues on small models.")
     max_response_len: int = Field(256, description="Answer cap in tokens. ours: HH answers on small models.")
+    max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
+    log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
+    checkpoint_every: int = Field(
+        50, ge=0, description="Checkpoint (weights, optimiser, scheduler, data position, RNG) every N optimiser steps "
+                              "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
+                              "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
+                              "~1.6 GB (fp32 weights and Adam's two moments).")
 
     @model_validator(mode="after")
     def _answer_leaves_room_for_the_prompt(self) -> _PromptAnswerSection:
@@ -236,7 +243,6 @@ class SFTConfig(_PromptAnswerSection):
     weight_decay: float = Field(0.0, description="AdamW weight decay. ours: 0, as MOSS's RM and PPO optimisers "
                                                  "(MOSS ships no SFT code).")
     epochs: int = Field(2, description="Passes over the SFT split. paper §5.1.")
-    max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     micro_batch_size: int = Field(4, description="Sequences per forward pass and rank. ours: fits small models on "
                                                  "a CPU or one GPU.")
     grad_accum_steps: int = Field(2, description="Micro-batches per optimiser step. ours: 8 sequences per step and "
@@ -252,12 +258,6 @@ class SFTConfig(_PromptAnswerSection):
                                                "eval prompts. ours: cheap on a CPU.")
     probe_max_new_tokens: int = Field(64, description="New tokens per probe response. ours: enough to see EOS "
                                                       "on short HH answers.")
-    log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
-    checkpoint_every: int = Field(
-        50, ge=0, description="Checkpoint (weights, optimiser, scheduler, data position, RNG) every N optimiser steps "
-                              "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
-                              "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
-                              "~1.6 GB (fp32 weights and Adam's two moments).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
                                                             "off, small models fit without it.")
 
@@ -279,7 +279,6 @@ class RewardConfig(_PromptAnswerSection):
                           "RM labels the proxy's data so that proxy and gold are measured against a known truth "
                           "(`study.gold_relabels`). ours: None, the human labels.")
     epochs: int = Field(1, description="Passes over rm_train. ours: one pass.")
-    max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     beta_rm: float = Field(1.0, description="Weight of the LM loss on the chosen answer (paper: 1). MOSS's "
                                             "train_rm.sh sets reward_lm_loss_factor 0. 0: no LM term and no "
                                             "LM-head pass over the answers; train/ and eval/lm_loss not logged.")
@@ -295,12 +294,6 @@ class RewardConfig(_PromptAnswerSection):
                                                  "§4.2 (MOSS train_rm.sh: 100 of 1000 steps).")
     heldout_pairs: int = Field(256, description="Held-out pairs (rm_eval split) for accuracy, margins, score "
                                              "statistics. ours: the whole default rm_eval split.")
-    log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
-    checkpoint_every: int = Field(
-        50, ge=0, description="Checkpoint (weights, optimiser, scheduler, data position, RNG) every N optimiser steps "
-                              "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
-                              "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
-                              "~1.6 GB (fp32 weights and Adam's two moments).")
 
 
 class RawPairsContract(_Section):

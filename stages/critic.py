@@ -15,14 +15,16 @@ from stages import lifecycle, precision, tracking
 from stages.checkpoint import trainer_engines
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
-from stages.launch import Dist
-from stages.ppo.stage import encode_prompts, initial_moments, load_models
+from stages.dist import Dist
+from stages.ppo.setup import encode_prompts, initial_moments
+from stages.ppo.stage import load_models
 from stages.ppo.advantages import needs_critic
 from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
 from stages.reward.model import save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.tensors import masked_mean
 from stages.training import trained_model
+from stages.tags import EXPLAINED_VARIANCE_TAG, VALUE_LOSS_TAG
 
 
 def check(cfg: PipelineConfig) -> None:
@@ -134,8 +136,8 @@ class CriticTraining(lifecycle.TrainingStage):
                      "critic/heldout_explained_variance": float(probe["explained_variance"].iloc[0]),
                      "critic/converged": float(self.stopped()), "critic/rollouts": trainer.iteration},
             probe_name="critic_probe", probe=lambda: probe, save=save, pack=scorer_pack(self.cfg, self.dist),
-            lineage={"rlhf.value_loss": f"{metrics['loss/value_avg']:.6g}",
-                     "rlhf.explained_variance": f"{metrics['val/explained_variance']:.4f}"})
+            lineage={VALUE_LOSS_TAG: f"{metrics['loss/value_avg']:.6g}",
+                     EXPLAINED_VARIANCE_TAG: f"{metrics['val/explained_variance']:.4f}"})
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:

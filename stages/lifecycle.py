@@ -27,7 +27,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from stages import checkpoint, interrupt
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.nonfinite import NonFiniteGuard
 
 

@@ -45,7 +45,8 @@ from stages.launch import hostfile_slots, stage_device
 
 GiB = 1024**3
 ARCHITECTURES_DIR = REPO_ROOT / "infra" / "architectures"
-TRAINING_STAGES = ("sft", "reward", "critic", "ppo")
+# The stages that train: each runs on the lifecycle, which resumes it from its checkpoint.
+TRAINING_STAGES = tuple(s.name for s in registry.STAGES.values() if s.resumes)
 # DeepSpeed's default ZeRO-3 sub-group (deepspeed/runtime/zero/config.py, `sub_group_size`): its step
 # converts one sub-group's gradient partition to fp32 at a time.
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
@@ -355,7 +356,7 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
     each matrix (its size is not documented: ~5.6 MB at least, 2–7× the weight on SmolLM2's
     shapes). The sizes are asked of the libraries themselves, each shape once; 0 where nothing is
     packed."""
-    from stages.models.llama import mkl_packing_pays  # deferred: imports torch
+    from stages.models import mkl_packing_pays  # deferred: imports torch
 
     if precision == "fp32" and not mkl_packing_pays():
         return 0
@@ -366,12 +367,12 @@ def packed_weight_bytes(arch: Architecture, rows: int, precision: str = "fp32") 
 def _packed_bytes(shape: tuple[int, int], rows: int, precision: str) -> int:
     import torch  # deferred, as the import below: the plan of a config alone loads no torch
 
-    from stages.models.llama import _mkl_pack, _onednn_pack  # deferred: as torch above
+    from stages.models import mkl_pack, onednn_pack  # deferred: as torch above
 
     if precision == "bf16":
-        packed = _onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
+        packed = onednn_pack(torch.zeros(shape, dtype=torch.bfloat16), rows)
     else:
-        packed = _mkl_pack(torch.zeros(shape), rows)
+        packed = mkl_pack(torch.zeros(shape), rows)
     return 0 if packed is None else packed.numel() * packed.element_size()
 
 
@@ -456,115 +457,148 @@ def reward_batch_tokens(r) -> int:
     return r.fixed_pairs * 2 * r.max_seq_len
 
 
+@dataclass
+class Planning:
+    """What every stage's memory model reads: the config, the model's shape, where and in what
+    precision the stage computes, and how its ranks shard the model states."""
+    cfg: PipelineConfig
+    stage: str
+    arch: Architecture
+    device: str
+    resolved: str  # the precision model.precision resolves to there
+    sharding: Sharding
+    fast_path: bool  # the architecture's fast path runs (model.fast_path auto and one registered)
+
+    @property
+    def element(self) -> int:
+        return 2 if self.resolved == "bf16" else 4
+
+    @property
+    def explicit_attention(self) -> bool:
+        return self.fast_path and self.device == "cpu" and self.resolved == "bf16"  # `llama.attention` with gradients
+
+    @property
+    def rm_psi(self) -> int:
+        return self.arch.params() + self.arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
+
+    def states(self, name: str, params: int, trained: bool) -> Role:
+        return model_states(Role(name, trained, params), self.resolved, self.sharding, self.arch.largest_module_params())
+
+    def without_fp32_gradients(self, role: Role | None, grad_accum_steps: int) -> None:
+        """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
+        from stages.training import steps_from_bf16  # deferred: imports torch
+
+        if role is not None and role.trained and self.sharding.zero is None and steps_from_bf16(
+                self.device, self.resolved, grad_accum_steps):
+            role.grads = 2 * role.params
+
+
+def sft_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
+    """SFT's actor: its states, and a micro-batch's activations and logits."""
+    s, arch = at.cfg.sft, at.arch
+    tokens = s.micro_batch_size * s.max_seq_len
+    actor = at.states("actor", arch.params(), True)
+    at.without_fp32_gradients(actor, s.grad_accum_steps)
+    actor.activations = activation_bytes(arch, tokens, at.element, s.gradient_checkpointing)
+    actor.logits = tokens * logit_bytes_per_token(arch, at.element)
+    batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if s.gradient_checkpointing else ''}"
+    advice = {"activations": ("lower sft.micro_batch_size or sft.max_seq_len" if s.gradient_checkpointing
+                              else "set sft.gradient_checkpointing=true or lower sft.micro_batch_size"),
+              "logits": "lower sft.micro_batch_size or sft.max_seq_len"}
+    return [actor], batch, advice
+
+
+def reward_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
+    """The reward model: its states, and its largest batch's activations and picked logits."""
+    r, arch = at.cfg.reward, at.arch
+    tokens = reward_batch_tokens(r)
+    rm = at.states("reward model", at.rm_psi, True)
+    at.without_fp32_gradients(rm, 1)
+    # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
+    rm.activations = activation_bytes(arch, tokens, at.element, False) + (
+        attention_score_bytes(arch, tokens, r.max_seq_len, at.element) // r.max_seq_len if at.explicit_attention else 0)
+    rm.logits = tokens // 2 * picked_logit_bytes_per_token(arch, at.element)  # at most the chosen rows' positions
+    batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
+    budget = "reward.token_budget" if r.dynamic_batching else "reward.fixed_pairs"
+    return [rm], batch, {"activations": f"lower {budget} or reward.max_seq_len", "logits": f"lower {budget}"}
+
+
+def rollout_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
+    """PPO and critic pre-training: the actor (frozen in the critic stage), the reference, the
+    reward model and the critic; a rollout's KV cache and forwards, then a minibatch's training step."""
+    from stages.ppo.advantages import needs_critic  # deferred: imports torch
+
+    cfg, arch, element, p = at.cfg, at.arch, at.element, at.cfg.ppo
+    train_actor = at.stage == "ppo"
+    rollout_rows = p.rollout_batch_size if train_actor else cfg.critic.rollout_batch_size
+    mb = p.minibatch_size if train_actor else cfg.critic.minibatch_size
+    prompt, new = p.max_prompt_len, p.generation.max_new_tokens
+    length = prompt + new
+    actor = at.states("actor" if train_actor else "actor (frozen)", arch.params(), train_actor)
+    roles = [actor]
+    if train_actor:  # the critic stage's frozen policy is its own reference (stages/critic.py)
+        roles.append(at.states("reference", arch.params(), False))
+    roles.append(at.states("reward model", at.rm_psi, False))
+    critic = at.states("critic", at.rm_psi, True) if needs_critic(p) else None
+    at.without_fp32_gradients(actor, 1)  # PPO's engines: one backward a step (stages/ppo/trainer.py)
+    at.without_fp32_gradients(critic, 1)
+    if critic is not None:
+        roles.append(critic)
+    # Rollout: the actor's KV cache while it samples, then no-grad forwards of the reference,
+    # the critic and the reward model one after another; the larger of the two counts.
+    kv = kv_cache_bytes(arch, rollout_rows, length, element)
+    packed = (packed_weight_bytes(arch, rollout_rows, at.resolved) if at.device == "cpu" and at.fast_path
+              and (at.sharding.zero or 0) < 3 else 0)
+    actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
+                        inference_bytes(arch, rollout_rows, length, new, element))
+    # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive
+    # before the first backward (stages/ppo/trainer.py `optimise`).
+    scores = attention_score_bytes(arch, mb, length, element) if at.explicit_attention else 0
+    if critic is not None:
+        critic.activations = activation_bytes(arch, mb * length, element, False) + scores
+    if train_actor:
+        actor.activations = activation_bytes(arch, mb * length, element, False) + scores
+        actor.logits = mb * new * picked_logit_bytes_per_token(arch, element)
+        if p.switches()["ptx"]:
+            ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
+            actor.activations += activation_bytes(arch, ptx_tokens, element, False)
+            actor.logits += ptx_tokens * logit_bytes_per_token(arch, element)
+    batch = (f"rollout {rollout_rows} × ({prompt} + {new}) tokens, minibatch {mb}"
+             + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else ""))
+    section = at.stage
+    advice = {"rollout": f"lower {section}.rollout_batch_size or ppo.generation.max_new_tokens",
+              "activations": f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""),
+              "logits": f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else "")}
+    return roles, batch, advice
+
+
+# Each training stage's memory model: (its roles with their sizes, its batch in words, the setting
+# to change per component). A stage without one is not planned.
+MEMORY_MODELS = {"sft": sft_memory, "reward": reward_memory, "critic": rollout_memory, "ppo": rollout_memory}
+
+
 def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str | None = None) -> StagePlan:
     import torch  # deferred, as the imports of torch code below: the CLI imports this module without torch
 
     from stages import precision as precisions  # deferred: imports torch
+    from stages.models import FAST_PATHS  # deferred: as torch above
 
+    if stage not in MEMORY_MODELS:
+        raise ValueError(f"no memory plan for stage '{stage}'; planned: {', '.join(TRAINING_STAGES)}")
     device = device or stage_device(cfg, stage)
-
     if device == "cuda" and cfg.model.precision == "auto" and not torch.cuda.is_available():
         resolved = "bf16"  # planning for GPUs from a machine without one: auto is bf16 on every GPU since Ampere
     else:
         resolved = precisions.resolve(cfg.model.precision, device)
-    element = 2 if resolved == "bf16" else 4
     sharding = stage_sharding(cfg, stage)
-    from stages.models import FAST_PATHS  # deferred: as torch above
-
-    fast_path = cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS
-    explicit_attention = fast_path and device == "cpu" and resolved == "bf16"  # `llama.attention` with gradients
-    psi, largest = arch.params(), arch.largest_module_params()
-    rm_psi = psi + arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
-
-    def states(name: str, params: int, trained: bool) -> Role:
-        return model_states(Role(name, trained, params), resolved, sharding, largest)
-
-    def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:
-        """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
-        from stages.training import steps_from_bf16  # deferred: as torch above
-
-        if role is not None and role.trained and sharding.zero is None and steps_from_bf16(device, resolved,
-                                                                                            grad_accum_steps):
-            role.grads = 2 * role.params
-
-    skipped = registry.get(stage).skipped(cfg)
-    advice = {"states": _states_advice(stage, sharding)}
-    if stage == "sft":
-        s = cfg.sft
-        tokens = s.micro_batch_size * s.max_seq_len
-        actor = states("actor", psi, True)
-        without_fp32_gradients(actor, s.grad_accum_steps)
-        actor.activations = activation_bytes(arch, tokens, element, s.gradient_checkpointing)
-        actor.logits = tokens * logit_bytes_per_token(arch, element)
-        roles = [actor]
-        batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if s.gradient_checkpointing else ''}"
-        advice.update(activations=("lower sft.micro_batch_size or sft.max_seq_len" if s.gradient_checkpointing
-                                   else "set sft.gradient_checkpointing=true or lower sft.micro_batch_size"),
-                      logits="lower sft.micro_batch_size or sft.max_seq_len")
-    elif stage == "reward":
-        r = cfg.reward
-        tokens = reward_batch_tokens(r)
-        rm = states("reward model", rm_psi, True)
-        without_fp32_gradients(rm, 1)
-        # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
-        rm.activations = activation_bytes(arch, tokens, element, False) + (
-            attention_score_bytes(arch, tokens, r.max_seq_len, element) // r.max_seq_len if explicit_attention else 0)
-        rm.logits = tokens // 2 * picked_logit_bytes_per_token(arch, element)  # at most the chosen rows' positions
-        roles = [rm]
-        batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
-        budget = "reward.token_budget" if r.dynamic_batching else "reward.fixed_pairs"
-        advice.update(activations=f"lower {budget} or reward.max_seq_len", logits=f"lower {budget}")
-    elif stage in ("critic", "ppo"):
-        p = cfg.ppo
-        rollout_rows = cfg.critic.rollout_batch_size if stage == "critic" else p.rollout_batch_size
-        mb = cfg.critic.minibatch_size if stage == "critic" else p.minibatch_size
-        prompt, new = p.max_prompt_len, p.generation.max_new_tokens
-        length = prompt + new
-        train_actor = stage == "ppo"
-        from stages.ppo.advantages import needs_critic  # deferred: as torch above
-
-        actor = states("actor" if train_actor else "actor (frozen)", psi, train_actor)
-        roles = [actor]
-        if train_actor:  # the critic stage's frozen policy is its own reference (stages/critic.py)
-            roles.append(states("reference", psi, False))
-        roles.append(states("reward model", rm_psi, False))
-        critic = states("critic", rm_psi, True) if needs_critic(p) else None
-        without_fp32_gradients(actor, 1)  # PPO's engines: one backward a step (stages/ppo/trainer.py)
-        without_fp32_gradients(critic, 1)
-        if critic is not None:
-            roles.append(critic)
-        # Rollout: the actor's KV cache while it samples, then no-grad forwards of the reference,
-        # the critic and the reward model one after another; the larger of the two counts.
-        kv = kv_cache_bytes(arch, rollout_rows, length, element)
-        packed = (packed_weight_bytes(arch, rollout_rows, resolved) if device == "cpu" and fast_path
-                  and (sharding.zero or 0) < 3 else 0)
-        actor.rollout = max(kv + packed + rollout_rows * arch.vocab_size * 4 * 4,  # a step's logits, fp32, sampler copies
-                            inference_bytes(arch, rollout_rows, length, new, element))
-        # Training step: the critic's and the actor's forward graphs (and PPO-ptx's) are all alive
-        # before the first backward (stages/ppo/trainer.py `optimise`).
-        scores = attention_score_bytes(arch, mb, length, element) if explicit_attention else 0
-        if critic is not None:
-            critic.activations = activation_bytes(arch, mb * length, element, False) + scores
-        if train_actor:
-            actor.activations = activation_bytes(arch, mb * length, element, False) + scores
-            actor.logits = mb * new * picked_logit_bytes_per_token(arch, element)
-            if p.switches()["ptx"]:
-                ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
-                actor.activations += activation_bytes(arch, ptx_tokens, element, False)
-                actor.logits += ptx_tokens * logit_bytes_per_token(arch, element)
-        batch = (f"rollout {rollout_rows} × ({prompt} + {new}) tokens, minibatch {mb}"
-                 + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else ""))
-        section = "critic" if stage == "critic" else "ppo"
-        advice.update(rollout=f"lower {section}.rollout_batch_size or ppo.generation.max_new_tokens",
-                      activations=f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""),
-                      logits=f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""))
-    else:
-        raise ValueError(f"no memory plan for stage '{stage}'; planned: {', '.join(TRAINING_STAGES)}")
+    at = Planning(cfg, stage, arch, device, resolved, sharding,
+                  fast_path=cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS)
+    roles, batch, advice = MEMORY_MODELS[stage](at)
     phases = {"train": sum(r.activations + r.logits for r in roles)}
     if any(r.rollout for r in roles):
         phases["rollout"] = sum(r.rollout for r in roles)
-    return StagePlan(stage, device, resolved, sharding, _ranks_per_host(cfg, stage), roles, phases, batch, advice,
-                     skipped)
+    return StagePlan(stage, device, resolved, sharding, _ranks_per_host(cfg, stage), roles, phases, batch,
+                     {"states": _states_advice(stage, sharding), **advice}, registry.get(stage).skipped(cfg))
 
 
 @dataclass

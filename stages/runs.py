@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages import registry, tracking
+from stages.tags import CHAMPION_JUDGE_TAG, CHAMPION_TAG, FROM_RUN_TAG, PRESET_TAG, STAGES_TAG, STAGE_TAG
 
 # PPO's key curves (per iteration), drawn for both runs of a comparison.
 PPO_CURVES = ("objective/scores", "objective/kl", "eval/score", "policy/response_length")
@@ -87,15 +88,15 @@ def stage_views(pipeline_run, inherited: bool = False, logged: bool = True) -> l
     children = tracking.stage_runs(pipeline_run.info.run_id)  # newest first
     headlines = logged_headline(pipeline_run.data.metrics) if logged else {}
     views = []
-    for stage in filter(None, pipeline_run.data.tags.get("rlhf.stages", "").split(",")):
+    for stage in filter(None, pipeline_run.data.tags.get(STAGES_TAG, "").split(",")):
         if stage in recorded:
             how, run_id = recorded[stage]
             run = mlflow_client.get_run(run_id)
             views.append(StageView(stage, run.info.status if how == "ran" else how, run, headlines.get(stage)))
         else:
-            run = next((r for r in children if r.data.tags.get("rlhf.stage") == stage), None)
+            run = next((r for r in children if r.data.tags.get(STAGE_TAG) == stage), None)
             views.append(StageView(stage, run.info.status if run else "not run", run, headlines.get(stage) if run else None))
-    from_run = pipeline_run.data.tags.get("rlhf.from_run")
+    from_run = pipeline_run.data.tags.get(FROM_RUN_TAG)
     if inherited and from_run:
         own = {view.stage for view in views}
         views += [StageView(view.stage, "inherited", view.run, view.logged)
@@ -126,9 +127,9 @@ def format_runs(runs: list) -> str:
     for run in runs:
         tags = run.data.tags
         started = datetime.datetime.fromtimestamp(run.info.start_time / 1000).strftime("%Y-%m-%d %H:%M")
-        origin = f"  from {tags['rlhf.from_run']}" if "rlhf.from_run" in tags else ""
+        origin = f"  from {tags[FROM_RUN_TAG]}" if FROM_RUN_TAG in tags else ""
         lines = [f"{run.info.run_id}  {run.info.run_name}  {run.info.status}  {started}  "
-                 f"preset {tags.get('rlhf.preset', '?')}{origin}"]
+                 f"preset {tags.get(PRESET_TAG, '?')}{origin}"]
         for view in stage_views(run):
             metrics = "  ".join(_cells(view, {}))
             run_id = view.run.info.run_id if view.run else "-"
@@ -315,8 +316,8 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
     judges = sorted({name.split("/")[2] for name in metrics if name.startswith("eval/judge/")})
     if not judges:
         return []
-    champion = tags.get("rlhf.champion", "")
-    judge = tags.get("rlhf.champion_judge") or next((j for j in judges if f"judge {j}:" in champion), judges[0])
+    champion = tags.get(CHAMPION_TAG, "")
+    judge = tags.get(CHAMPION_JUDGE_TAG) or next((j for j in judges if f"judge {j}:" in champion), judges[0])
     n = int(metrics[f"eval/judge/{judge}/n"])
     counts = " / ".join(f"{verdict} {round(metrics[f'eval/judge/{judge}/{verdict}_rate'] * n)}"
                         for verdict in ("win", "tie", "lose"))

@@ -14,11 +14,12 @@ import torch
 from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, read_jsonl
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.losses import shifted_nll
 from stages.nonfinite import NonFiniteGuard
 from stages.rendering import collate, count_cut, encode_example
 from stages.training import adamw, cosine_with_warmup, generation_probe, make_engine, trained_model
+from stages.tags import INPUT_TAG_PREFIX, PERPLEXITY_AFTER_TAG, PERPLEXITY_BEFORE_TAG
 
 
 def response_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -217,8 +218,8 @@ class SFTTraining(lifecycle.TrainingStage):
             metrics={"eval/loss": loss_after, "eval/perplexity": ppl_after, "sft/perplexity_before": self.ppl_before,
                      "sft/perplexity_after": ppl_after},
             probe_name="sft_probe", probe=probe, save=save, pack=mlflow_models.chat(cfg), inspect=held_out_probe,
-            lineage={"rlhf.input.base_model": cfg.model.name_or_path, "rlhf.perplexity_before": f"{self.ppl_before:.4f}",
-                     "rlhf.perplexity_after": f"{ppl_after:.4f}"},
+            lineage={f"{INPUT_TAG_PREFIX}base_model": cfg.model.name_or_path, PERPLEXITY_BEFORE_TAG: f"{self.ppl_before:.4f}",
+                     PERPLEXITY_AFTER_TAG: f"{ppl_after:.4f}"},
             report=report)
 
 

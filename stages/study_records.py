@@ -29,17 +29,25 @@ import numpy as np
 import pandas as pd
 from mlflow.entities import Metric
 
-from stages import stats, tracking
+from stages import registry, stats, tracking
 from stages.config import PipelineConfig
 from stages.evaluate import report
+from stages.tags import (ARMS_TAG, ARM_KIND_TAG, BEST_OF_N_TAG, CHAMPION_TAG, CONFIG_HASH_TAG, GIT_COMMIT_TAG,
+                         FINAL_ITERATION_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG, STUDY_OVERRIDES_TAG,
+                         STUDY_PRESET_TAG)
 
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
-CHAIN_STAGES = ["data", "sft", "reward", "critic"]
-BASE = "base"  # `study.gold_relabels`: the chain's data and SFT, which the gold RM trains from first
-BASE_STAGES, RELABELLED_CHAIN_STAGES = ["data", "sft"], ["reward", "critic"]
-GOLD_STAGES = ["reward"]
-ARM_STAGES = ["ppo", "eval"]
+# An arm's stages make or read the policy; the chain's, every other stage, run once for all arms;
+# the gold reward model is the reward stage's model trained on the gold splits.
+ARM_STAGES = [s.name for s in registry.STAGES.values() if "policy_model" in (*s.outputs, *s.inputs)]
+CHAIN_STAGES = [name for name in registry.names() if name not in ARM_STAGES]
+GOLD_STAGES = [s.name for s in registry.STAGES.values() if s.registers == "reward"]
+# `study.gold_relabels`: the chain's stages before the reward model (data, SFT) run first, so the
+# gold RM trains from them and relabels the proxy's pairs; the rest of the chain follows.
+BASE = "base"
+BASE_STAGES = CHAIN_STAGES[: CHAIN_STAGES.index(GOLD_STAGES[0])]
+RELABELLED_CHAIN_STAGES = [name for name in CHAIN_STAGES if name not in BASE_STAGES]
 GOLD_JUDGE = "gold"  # the gold RM's name as a judge: eval/judge/gold/...
 BEST_OF_N = "best_of_n"  # the `rlhf.arm_kind` tag of a best-of-n arm's run
 CURVES = {"eval/score": "held-out RM score", "eval/kl": "tempered KL to SFT (nats per response)",
@@ -84,7 +92,7 @@ def log_best_of_n(study_id: str, cfg: PipelineConfig, name: str, n: int, seed: i
     mlflow_client = tracking.client()
     study = mlflow_client.get_run(study_id)
     tags = {"mlflow.parentRunId": study_id, tracking.STUDY_TAG: study_id, tracking.ARM_TAG: name,
-            "rlhf.arm_kind": BEST_OF_N, "rlhf.best_of_n": str(n), "rlhf.seed": str(seed)}
+            ARM_KIND_TAG: BEST_OF_N, BEST_OF_N_TAG: str(n), SEED_TAG: str(seed)}
     run = mlflow_client.create_run(study.info.experiment_id, tags=tags,
                                    run_name=f"{tracking.study_title(cfg.preset)} · {name}")
     now = int(time.time() * 1000)
@@ -98,9 +106,9 @@ def start(cfg: PipelineConfig, preset: str, overrides: list[str], arms: dict[str
     resolved config recorded; its id."""
     mlflow_client = tracking.client()
     exp = tracking.experiment_id(mlflow_client, cfg.experiment)
-    tags = {tracking.PIPELINE_TAG: "study", "rlhf.preset": cfg.preset, "rlhf.config_hash": cfg.config_hash(),
-            "rlhf.git_commit": tracking.git_commit(), "rlhf.arms": json.dumps(arms),
-            "rlhf.study_preset": preset, "rlhf.study_overrides": json.dumps(overrides)}
+    tags = {tracking.PIPELINE_TAG: "study", PRESET_TAG: cfg.preset, CONFIG_HASH_TAG: cfg.config_hash(),
+            GIT_COMMIT_TAG: tracking.git_commit(), ARMS_TAG: json.dumps(arms),
+            STUDY_PRESET_TAG: preset, STUDY_OVERRIDES_TAG: json.dumps(overrides)}
     run = mlflow_client.create_run(exp, tags=tags,
                                    run_name=f"{tracking.study_title(cfg.preset)} · {' vs '.join(arms)}")
     try:
@@ -120,8 +128,8 @@ def reopen(study_id: str) -> tuple[PipelineConfig, str, list[str], dict[str, dic
     if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
     tags = run.data.tags
-    return (tracking.recorded_config(study_id), tags["rlhf.study_preset"], json.loads(tags["rlhf.study_overrides"]),
-            json.loads(tags["rlhf.arms"]))
+    return (tracking.recorded_config(study_id), tags[STUDY_PRESET_TAG], json.loads(tags[STUDY_OVERRIDES_TAG]),
+            json.loads(tags[ARMS_TAG]))
 
 
 def running(study_id: str) -> None:
@@ -132,9 +140,9 @@ def add_arms(study_id: str, new_arms: dict[str, dict]) -> dict[str, dict]:
     """`new_arms` join the study (its `rlhf.arms` tag and its name); all its arms."""
     mlflow_client = tracking.client()
     run = mlflow_client.get_run(study_id)
-    arms = {**json.loads(run.data.tags["rlhf.arms"]), **new_arms}
-    mlflow_client.set_tag(study_id, "rlhf.arms", json.dumps(arms))
-    title = tracking.study_title(run.data.tags.get("rlhf.preset", ""))
+    arms = {**json.loads(run.data.tags[ARMS_TAG]), **new_arms}
+    mlflow_client.set_tag(study_id, ARMS_TAG, json.dumps(arms))
+    title = tracking.study_title(run.data.tags.get(PRESET_TAG, ""))
     mlflow_client.update_run(study_id, name=f"{title} · {' vs '.join(arms)}")
     return arms
 
@@ -180,10 +188,10 @@ def collect(study_id: str, arms: list[str], judge: str) -> list[ArmResult]:
         run = runs.get(arm)
         if run is None or run.info.status != "FINISHED":
             continue
-        if run.data.tags.get("rlhf.arm_kind") == BEST_OF_N:
+        if run.data.tags.get(ARM_KIND_TAG) == BEST_OF_N:
             results.append(ArmResult(name=arm, pipeline_run=run.info.run_id, curves={}, breaches=[],
                                      final=run.data.metrics, tags=run.data.tags, eval_metrics={}, champion="",
-                                     arm=base_arm(arm), best_of_n=int(run.data.tags["rlhf.best_of_n"])))
+                                     arm=base_arm(arm), best_of_n=int(run.data.tags[BEST_OF_N_TAG])))
             continue
         stages = tracking.recorded_stages(run)
         ppo = mlflow_client.get_run(stages["ppo"][1])
@@ -194,7 +202,7 @@ def collect(study_id: str, arms: list[str], judge: str) -> list[ArmResult]:
         results.append(ArmResult(
             name=arm, pipeline_run=run.info.run_id, curves=curves,
             breaches=sorted(m.step for m in passed if m.value == 0.0), final=ppo.data.metrics, tags=ppo.data.tags,
-            eval_metrics=ev.data.metrics if ev else {}, champion=ev.data.tags.get("rlhf.champion", "") if ev else "",
+            eval_metrics=ev.data.metrics if ev else {}, champion=ev.data.tags.get(CHAMPION_TAG, "") if ev else "",
             arm=base_arm(arm)))
     return results
 
@@ -236,12 +244,12 @@ def _across_seeds(runs: list, values: list[float | None], level: float, single: 
 
 def final_iteration(r: ArmResult) -> int:
     """The iteration of the PPO stage's last held-out check: the policy its last numbers describe."""
-    tagged = r.tags.get("rlhf.final_iteration")
+    tagged = r.tags.get(FINAL_ITERATION_TAG)
     return int(tagged) if tagged else max((s for s, _ in r.curves.get("eval/score", [])), default=0)
 
 
 def registered_iteration(r: ArmResult) -> int:
-    return int(r.tags.get("rlhf.policy_iteration", final_iteration(r)))
+    return int(r.tags.get(POLICY_ITERATION_TAG, final_iteration(r)))
 
 
 def final_judged(r: ArmResult) -> dict[str, float]:
@@ -589,7 +597,7 @@ def study_report(study_id: str) -> str:
     command = " ".join(["rlhf study --preset", shlex.quote(preset), *(f"--set {shlex.quote(o)}" for o in overrides)])
     header = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; machine: {cpu}, "
               f"{os.cpu_count()} CPUs ({platform.system()} {platform.machine()}); commit "
-              f"`{run.data.tags.get('rlhf.git_commit', 'unknown')}`; command: `{command}`.", ""]
+              f"`{run.data.tags.get(GIT_COMMIT_TAG, 'unknown')}`; command: `{command}`.", ""]
     title, rest = text.split("\n", 1)
     return "\n".join([title, "", *header]) + rest
 

@@ -26,21 +26,12 @@ from urllib.request import url2pathname
 
 from stages import mlflow_models, registry
 from stages.config import REPO_ROOT, PipelineConfig, load_config, rlhf_home, upgrade_recorded
+from stages.tags import (ARM_TAG, CONFIG_HASH_TAG, CONTRACT_TAG, DATA_DIGEST_TAG, DESCRIPTION_TAG, FAILED_STAGE_TAG,
+                         FLOW_RUN_TAG, FROM_RUN_TAG, GIT_COMMIT_TAG, INPUTS_TAG, INPUT_TAG_PREFIX, OUTPUTS_TAG,
+                         PIPELINE_RUN_TAG, PIPELINE_TAG, PRESET_TAG, RESUMED_FROM_TAG, RESUMED_TAG, STAGES_TAG,
+                         STAGE_TAG, STAGE_TAG_PREFIX, STUDY_TAG)
 
-PIPELINE_TAG = "rlhf.kind"
-OUTPUTS_TAG = "rlhf.outputs"
-INPUTS_TAG = "rlhf.inputs"  # on a pipeline run: what it started from (from_run's outputs)
 CONFIG_ARTIFACT = "config.json"  # on a pipeline run: the resolved config it ran with (a resume reuses it)
-# On a pipeline run, which stage run holds each of its stages: rlhf.stage.<name> = <how>:<run id>,
-# <how> `ran` (a child run of this pipeline run), `reused` (the run of an earlier pipeline run
-# with the same inputs and config: the stage was skipped) or `deployed` (the run made by the
-# stage's own deployment, which this pipeline run started).
-STAGE_TAG_PREFIX = "rlhf.stage."
-FLOW_RUN_TAG = "rlhf.prefect_flow_run"  # on a pipeline run: the Prefect flow run that made it
-STUDY_TAG, ARM_TAG = "rlhf.study", "rlhf.arm"  # a study's pipeline runs: the study's run id, the arm's name
-CONTRACT_TAG = "rlhf.contract"  # passed | failed, set by the gate after the stage (data_contracts)
-DESCRIPTION_TAG = "mlflow.note.content"  # what MLflow's UI shows as a run's description
-FAILED_STAGE_TAG = "rlhf.failed_stage"  # on a failed pipeline run: the stage it failed in
 TRACEBACK_ARTIFACT = "logs/traceback.txt"  # on a failed pipeline run and its failed stage run
 
 
@@ -336,7 +327,7 @@ class StageRun:
         None) as the tag `rlhf.resumed_from`, and no step logged twice (`skip_logged_steps`)."""
         if resumed_from is None:
             self.log_params(params)
-        self.set_tags({"rlhf.resumed_from": resumed_from.name if resumed_from else "none"})
+        self.set_tags({RESUMED_FROM_TAG: resumed_from.name if resumed_from else "none"})
         self.skip_logged_steps()
 
     def skip_logged_steps(self) -> None:
@@ -417,9 +408,9 @@ class StageRun:
 
     def provenance(self, inputs: dict, config_hash: str) -> dict[str, str]:
         """The lineage tags every registered model carries: splits, data digest, code, config, pipeline run."""
-        return {"rlhf.input.splits": inputs["splits"], "rlhf.data_digest": inputs.get("data_digest", ""),
-                "rlhf.git_commit": git_commit(), "rlhf.config_hash": config_hash,
-                "rlhf.pipeline_run": self.pipeline_run_id}
+        return {f"{INPUT_TAG_PREFIX}splits": inputs["splits"], DATA_DIGEST_TAG: inputs.get("data_digest", ""),
+                GIT_COMMIT_TAG: git_commit(), CONFIG_HASH_TAG: config_hash,
+                PIPELINE_RUN_TAG: self.pipeline_run_id}
 
     def publish_model(self, save, *, cfg: PipelineConfig, inputs: dict, pack: mlflow_models.Pack,
                       lineage: dict[str, Any] | None = None, inspect=None) -> dict[str, str]:
@@ -438,7 +429,7 @@ class StageRun:
             inspect(out)
         model_id, location = self.log_model(out, pack)
         shutil.rmtree(out)  # the MLflow model is the copy that counts
-        tags = {f"rlhf.input.{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
+        tags = {f"{INPUT_TAG_PREFIX}{name}": inputs.get(name, "") for name in spec.inputs if name.endswith("_model")}
         tags.update(self.provenance(inputs, spec.config_hash(cfg)))
         tags.update(lineage or {})
         version = self.register(spec.registers, model_id, location, cfg.registry_prefix, tags)
@@ -532,14 +523,14 @@ class PipelineRun:
         exp = experiment_id(mlflow_client, cfg.experiment)
         tags = {
             PIPELINE_TAG: "pipeline",
-            "rlhf.preset": cfg.preset,
-            "rlhf.stages": ",".join(stages),
-            "rlhf.config_hash": cfg.config_hash(),
-            "rlhf.git_commit": git_commit(),
+            PRESET_TAG: cfg.preset,
+            STAGES_TAG: ",".join(stages),
+            CONFIG_HASH_TAG: cfg.config_hash(),
+            GIT_COMMIT_TAG: git_commit(),
             **(extra_tags or {}),
         }
         if from_run:
-            tags["rlhf.from_run"] = from_run
+            tags[FROM_RUN_TAG] = from_run
         if inputs:
             tags[INPUTS_TAG] = json.dumps(inputs)
         title = run_title(cfg, stages, from_run)
@@ -560,7 +551,7 @@ class PipelineRun:
             if stage.info.status == "RUNNING":  # its process died: the run never finished
                 mlflow_client.set_terminated(stage.info.run_id, status="KILLED")
         mlflow_client.update_run(run_id, status="RUNNING")
-        mlflow_client.set_tag(run_id, "rlhf.resumed", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        mlflow_client.set_tag(run_id, RESUMED_TAG, time.strftime("%Y-%m-%dT%H:%M:%S"))
         if FAILED_STAGE_TAG in mlflow_client.get_run(run_id).data.tags:  # the failure it resumes from is over
             for tag in (FAILED_STAGE_TAG, DESCRIPTION_TAG):
                 mlflow_client.delete_tag(run_id, tag)
@@ -574,15 +565,15 @@ class PipelineRun:
         """A new child run for stage `name`. A stage that `resumes` from its checkpoints continues
         the run of its attempt that was killed or failed instead, so that run holds every step."""
         patience = self.cfg.orchestration.tracking_patience_s
-        unfinished = [run for run in stage_runs(self.run_id) if run.data.tags.get("rlhf.stage") == name
+        unfinished = [run for run in stage_runs(self.run_id) if run.data.tags.get(STAGE_TAG) == name
                       and run.info.status in ("KILLED", "FAILED")] if resumes else []
         if unfinished:
             run_id = unfinished[0].info.run_id
             self.client.update_run(run_id, status="RUNNING")
             return StageRun(self.client, run_id, name, self.workdir / name, self.run_id, patience)
         exp = self.client.get_run(self.run_id).info.experiment_id
-        tags = {"mlflow.parentRunId": self.run_id, PIPELINE_TAG: "stage", "rlhf.stage": name,
-                "rlhf.git_commit": git_commit(), "rlhf.preset": self.cfg.preset}
+        tags = {"mlflow.parentRunId": self.run_id, PIPELINE_TAG: "stage", STAGE_TAG: name,
+                GIT_COMMIT_TAG: git_commit(), PRESET_TAG: self.cfg.preset}
         run = self.client.create_run(exp, tags=tags, run_name=f"ppo ({ppo_arm(self.cfg)})" if name == "ppo" else name)
         return StageRun(self.client, run.info.run_id, name, self.workdir / name, self.run_id, patience)
 
@@ -608,7 +599,7 @@ class PipelineRun:
         stage's run (when it got one), and `description` (the failure as `rlhf run` prints it) as the
         description of both."""
         failed = [run for run in stage_runs(self.run_id)
-                  if run.data.tags.get("rlhf.stage") == stage and run.info.status == "FAILED"][:1]
+                  if run.data.tags.get(STAGE_TAG) == stage and run.info.status == "FAILED"][:1]
         for run_id in (self.run_id, *(run.info.run_id for run in failed)):
             self.client.log_text(run_id, traceback_text, TRACEBACK_ARTIFACT)
             self.client.set_tag(run_id, DESCRIPTION_TAG, description)
@@ -697,16 +688,16 @@ def recorded_config(pipeline_run_id: str) -> PipelineConfig:
             recorded = json.loads(recorded_file.read_text())
         return PipelineConfig.model_validate(upgrade_recorded(recorded))
     except (MlflowException, OSError):
-        return load_config(client().get_run(pipeline_run_id).data.tags["rlhf.preset"])
+        return load_config(client().get_run(pipeline_run_id).data.tags[PRESET_TAG])
 
 
 def resume_plan(pipeline_run_id: str) -> tuple[dict[str, str], list[str]]:
     """(inputs, stages still to run) of a pipeline run being resumed: everything it has so far
     (outputs_of); its stages neither finished nor reused yet."""
     parent = client().get_run(pipeline_run_id)
-    done = set(recorded_stages(parent)) | {run.data.tags["rlhf.stage"] for run in stage_runs(pipeline_run_id)
+    done = set(recorded_stages(parent)) | {run.data.tags[STAGE_TAG] for run in stage_runs(pipeline_run_id)
                                            if run.info.status == "FINISHED" and OUTPUTS_TAG in run.data.tags}
-    stages = parent.data.tags.get("rlhf.stages", "").split(",")
+    stages = parent.data.tags.get(STAGES_TAG, "").split(",")
     return outputs_of(pipeline_run_id), [name for name in stages if name and name not in done]
 
 

@@ -121,7 +121,7 @@ def tiny(hh_file):
     and 256 encoded HH prompts."""
     from stages.config import load_config
     from stages.data import load_pairs
-    from stages.ppo.stage import encode_prompts
+    from stages.ppo.setup import encode_prompts
     from stages.loading import load_tokenizer, materialise_model
 
     cfg = load_config("tiny", [f"data.pairs={hh_file}"])

@@ -7,7 +7,7 @@ import torch
 
 from stages import precision
 from stages.config import load_config
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.ppo.experience import rule_scores
 from stages.ppo.trainer import PPOTrainer
 from stages.reward.model import RewardModel

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stages.config import load_config
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.ppo.reward_shaping import RunningMoments, reparameterise_scores
 from stages.ppo.stage import load_models
 from stages.reward.model import RewardModel, save_reward_model

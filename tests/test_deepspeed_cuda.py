@@ -48,7 +48,8 @@ def one_nccl_rank():
 
 
 def dist_for(zero: str | None):
-    from stages.launch import Dist, _resolve_deepspeed_config
+    from stages.dist import Dist
+    from stages.launch import _resolve_deepspeed_config
 
     return Dist(deepspeed_config=_resolve_deepspeed_config(zero) if zero else None, device="cuda:0")
 

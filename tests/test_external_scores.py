@@ -97,7 +97,7 @@ def test_serve_reward_scores_as_the_reward_model_does(reward_server, full_run):
     """The served score of a rollout's text equals the local RM's score of the rollout's tokens."""
     from stages.data import read_jsonl
     from stages.ppo.experience import reward_model_scores
-    from stages.ppo.stage import encode_prompts
+    from stages.ppo.setup import encode_prompts
     from stages.reward.model import load_reward_model
     from stages.loading import load_tokenizer
 

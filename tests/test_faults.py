@@ -57,7 +57,7 @@ def killed_at_random(args: list[str], checkpoints_of: str, first: str, step_s: f
     its checkpoints folder."""
     before = set(runs_dir().iterdir())
     # RLHF_SUPERVISED=1: this process does the work itself. Unset, `rlhf run` would run it in a child
-    # of its own session (flows/cli.py `_supervise`), which the SIGKILL of this group does not reach:
+    # of its own session (flows/supervise.py `supervise`), which the SIGKILL of this group does not reach:
     # the child's watcher ends it once it sees its supervisor gone (it polls every 0.2 s), time enough
     # for a tiny stage to write one more checkpoint after the test had read the newest (resumed from
     # step-000004, expected step-000002).
@@ -290,7 +290,7 @@ def test_a_disk_that_fills_inside_torch_save_is_a_disk_full_error(small_tmpfs):
     import torch
 
     from stages import checkpoint as shared
-    from stages.launch import Dist
+    from stages.dist import Dist
     from stages.training import adamw, cosine_with_warmup, make_engine
 
     model = torch.nn.Linear(256, 256)

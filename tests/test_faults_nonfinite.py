@@ -161,7 +161,7 @@ def test_sft_stops_after_k_nonfinite_steps(splits, monkeypatch):
 RANK = """
 import json, math, sys, torch
 from stages.nonfinite import NonFiniteGuard
-from stages.launch import Dist
+from stages.dist import Dist
 rank, port = int(sys.argv[1]), sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 guard = NonFiniteGuard("sft", 3, Dist(rank=rank, world_size=2))

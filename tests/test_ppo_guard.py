@@ -11,7 +11,7 @@ import torch
 from ppo_helpers import RULE, make_trainer
 
 from stages.config import load_config
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.ppo.collapse_guard import CollapseGuard
 
 BANDS = ["contracts.policy.max_kl=1.0"]  # a held-out mean KL to SFT above 1 nat is a breach

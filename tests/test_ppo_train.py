@@ -9,7 +9,7 @@ import torch
 from ppo_helpers import make_trainer
 
 from stages.config import load_config
-from stages.launch import Dist
+from stages.dist import Dist
 from stages import checkpoint
 from stages.ppo.experience import response_logits
 from stages.logprobs import token_logprobs

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.config import ModelConfig, RewardConfig
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.losses import next_token_targets, reward_model_loss
 from stages.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
 from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout

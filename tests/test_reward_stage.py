@@ -10,7 +10,8 @@ import pytest
 from stages import loading, registry, stats, tracking
 from stages.config import load_config
 from stages.data import read_jsonl
-from stages.launch import Dist, execute
+from stages.dist import Dist
+from stages.launch import execute
 from stages.reward import load_reward_model
 from stages.reward.stage import WORST_PAIRS, encode_pairs, make_sampler, score_heldout
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.nonfinite import NonFiniteGuard
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.sft import accumulate_step, response_nll
 from stages.rendering import collate
 from stages.training import PlainEngine

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from stages import stats
 from stages.evaluate.judge import Pair, judge_pairs
 from stages.stats import Interval
+from stages.tags import HELDOUT_ACCURACY_CI_HIGH_TAG, HELDOUT_ACCURACY_CI_LOW_TAG, HELDOUT_ACCURACY_TAG, HELDOUT_PAIRS_TAG
 
 CONTROL_SPLIT = "rm_eval"
 
@@ -62,13 +63,13 @@ def recorded(judge: str, tags: dict[str, str], level: float) -> JudgeQuality | N
     where it records no accuracy with its pair count. Without its interval bounds the interval is
     Wilson's at `level`."""
     try:
-        accuracy, pairs = float(tags["rlhf.heldout_accuracy"]), int(tags["rlhf.heldout_pairs"])
+        accuracy, pairs = float(tags[HELDOUT_ACCURACY_TAG]), int(tags[HELDOUT_PAIRS_TAG])
     except (KeyError, ValueError):
         return None
     if pairs <= 0:
         return None
     try:
-        low, high = float(tags["rlhf.heldout_accuracy_ci_low"]), float(tags["rlhf.heldout_accuracy_ci_high"])
+        low, high = float(tags[HELDOUT_ACCURACY_CI_LOW_TAG]), float(tags[HELDOUT_ACCURACY_CI_HIGH_TAG])
         interval = Interval(accuracy, low, high, level, pairs)
     except (KeyError, ValueError):
         interval = stats.wilson(round(accuracy * pairs), pairs, level)

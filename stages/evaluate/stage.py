@@ -19,14 +19,15 @@ import torch
 from stages import interrupt, loading, precision, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
+from stages.dist import Dist
 from stages.evaluate import ceval, harness, quality, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
-from stages.launch import Dist
 from stages.ppo.generation import generate
-from stages.ppo.stage import encode_prompts
+from stages.ppo.setup import encode_prompts
 from stages.reward.model import load_reward_model
 from stages.stats import Interval
+from stages.tags import CHAMPION_JUDGE_TAG, CHAMPION_TAG
 
 CHAMPION_ALIAS = "champion"
 
@@ -277,6 +278,16 @@ def log_ceval_lineage(cfg: PipelineConfig, tracker: tracking.StageRun) -> None:
     tracker.log_dict(found.digests(), "ceval_files.json")
 
 
+def answer_pairs(rows: list[dict], responses: dict[str, list], policy: str = "policy") -> list[Pair]:
+    """One pair a prompt: the answer of `policy` (its `<policy>`, `<policy>_ended`, `<policy>_tokens`
+    responses) against SFT's."""
+    return [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
+                 sft_tokens=s_tokens)
+            for r, p, s, p_ended, s_ended, p_tokens, s_tokens in zip(
+                rows, responses[policy], responses["sft"], responses[f"{policy}_ended"], responses["sft_ended"],
+                responses[f"{policy}_tokens"], responses["sft_tokens"])]
+
+
 def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], responses: dict[str, list], device: str,
                        qualities: dict[str, quality.JudgeQuality], stop_point=lambda where: None
                        ) -> tuple[dict[str, float], pd.DataFrame]:
@@ -289,15 +300,29 @@ def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], resp
     final, final_ended = respond(model, tokenizer, rows, cfg, device)
     final_tokens = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in final]
     del model
-    pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
-                  sft_tokens=s_tokens)
-             for r, p, s, p_ended, s_ended, p_tokens, s_tokens in zip(
-                 rows, final, responses["sft"], final_ended, responses["sft_ended"], final_tokens,
-                 responses["sft_tokens"])]
-    judged, _ = judge_all(cfg, inputs, pairs, device, stop_point, qualities)
+    answers = {**responses, "final": final, "final_ended": final_ended, "final_tokens": final_tokens}
+    judged, _ = judge_all(cfg, inputs, answer_pairs(rows, answers, "final"), device, stop_point, qualities)
     metrics, _, _, _ = judge_verdicts(cfg, judged, qualities)
     metrics = {key.replace("eval/judge/", "eval/final/judge/", 1): value for key, value in metrics.items()}
     return metrics, judged.assign(model="final")
+
+
+def benchmark_metrics(answers: pd.DataFrame, ceval_seconds: float, lm_eval: dict[str, dict]
+                      ) -> tuple[dict[str, float], pd.DataFrame | None, pd.DataFrame | None, pd.DataFrame | None]:
+    """C-Eval's and lm-eval's metrics: (metrics, C-Eval table, exemplar shortfall, lm-eval table);
+    a table is None where its benchmark did not run."""
+    metrics: dict[str, float] = {}
+    ceval_table = shortfall = lm_eval_table = None
+    if len(answers):
+        groups = answers.groupby(["shots", "model"])
+        ceval_table = report.ceval_table({key: ceval.accuracy(group) for key, group in groups})
+        shortfall = report.exemplar_shortfall(answers)
+        metrics.update(report.ceval_metrics(ceval_table, shortfall))
+        metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
+    if lm_eval:
+        lm_eval_table = report.lm_eval_table({name: harness.scores(results) for name, results in lm_eval.items()})
+        metrics.update(report.lm_eval_metrics(lm_eval_table))
+    return metrics, ceval_table, shortfall, lm_eval_table
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
@@ -322,33 +347,16 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
     log_ceval_lineage(cfg, tracker)
     judged = pd.DataFrame()
     if judging:
-        pairs = [Pair(r["row"], r["messages"], p, s, policy_ended=p_ended, sft_ended=s_ended, policy_tokens=p_tokens,
-                      sft_tokens=s_tokens)
-                 for r, p, s, p_ended, s_ended, p_tokens, s_tokens in zip(
-                     rows, responses["policy"], responses["sft"], responses["policy_ended"], responses["sft_ended"],
-                     responses["policy_tokens"], responses["sft_tokens"])]
-        judged, qualities = judge_all(cfg, inputs, pairs, dist.device, stop_point)
+        judged, qualities = judge_all(cfg, inputs, answer_pairs(rows, responses), dist.device, stop_point)
 
     # Metrics and the champion decision.
-    metrics: dict[str, float] = {}
-    ceval_table = shortfall = None
-    if len(answers):
-        groups = answers.groupby(["shots", "model"])
-        ceval_table = report.ceval_table({key: ceval.accuracy(group) for key, group in groups})
-        shortfall = report.exemplar_shortfall(answers)
-        metrics.update(report.ceval_metrics(ceval_table, shortfall))
-        metrics["eval/ceval_questions_per_s"] = len(answers) / max(ceval_seconds, 1e-9)
-    lm_eval_table = None
-    if lm_eval:
-        lm_eval_table = report.lm_eval_table({name: harness.scores(results) for name, results in lm_eval.items()})
-        metrics.update(report.lm_eval_metrics(lm_eval_table))
+    metrics, ceval_table, shortfall, lm_eval_table = benchmark_metrics(answers, ceval_seconds, lm_eval)
     judge_table, champion, tags = None, "no policy", {}
     if len(judged):
         judge_table = report.judge_table(judged, cfg.statistics, qualities)
         judge_metrics, won, champion, verdict_judge = judge_verdicts(cfg, judged, qualities)
-        metrics.update(judge_metrics)
-        metrics["eval/champion"] = float(won)
-        tags["rlhf.champion_judge"] = verdict_judge
+        metrics.update({**judge_metrics, "eval/champion": float(won)})
+        tags[CHAMPION_JUDGE_TAG] = verdict_judge
         if won:
             tracker.set_model_alias(inputs["policy_model"], CHAMPION_ALIAS)
     if judging and inputs.get("final_policy_model_dir"):
@@ -359,7 +367,7 @@ def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dis
         tracker.log_artifact(tracker.workdir / "final_judgements.jsonl", "report")
     metrics["eval/seconds"] = time.perf_counter() - started
     tracker.log_metrics(metrics, step=0)
-    tracker.set_tags({"rlhf.champion": champion, **tags})
+    tracker.set_tags({CHAMPION_TAG: champion, **tags})
 
     # The report, its tables and plots, and the contract's probe frame.
     out = tracker.workdir / "report"

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.models import llama, plain
+from stages.models.llama import mkl_pack, mkl_packing_pays, onednn_pack  # packed weights: plan.py sizes them
 from stages.models.plain import CachedDecoder, position_ids
 from stages.models.shapes import bucket
 
@@ -93,5 +94,5 @@ def decoder(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_
     return CachedDecoder(model, prompt_ids, prompt_mask, max_new_tokens)
 
 
-__all__ = ["FAST_PATHS", "CachedDecoder", "decoder", "fast_path", "last_hidden_state", "position_ids",
-           "set_cuda_graphs", "set_fast_path", "static_decoder_class"]
+__all__ = ["FAST_PATHS", "CachedDecoder", "decoder", "fast_path", "last_hidden_state", "mkl_pack", "mkl_packing_pays",
+           "onednn_pack", "position_ids", "set_cuda_graphs", "set_fast_path", "static_decoder_class"]

@@ -352,8 +352,8 @@ class PackedLinear:
 def pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
     """The weight packed for `batch` rows (`PackedLinear`), or None where it stays plain."""
     if weight.dtype == torch.bfloat16:
-        return _onednn_pack(weight, batch)
-    return _mkl_pack(weight, batch) if mkl_packing_pays() else None
+        return onednn_pack(weight, batch)
+    return mkl_pack(weight, batch) if mkl_packing_pays() else None
 
 
 def mkl_packing_pays() -> bool:
@@ -363,7 +363,8 @@ def mkl_packing_pays() -> bool:
     return cpu_vendor() == "GenuineIntel"
 
 
-def _onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+def onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """A bf16 weight in oneDNN's blocked layout for `batch` rows, or None where oneDNN cannot."""
     if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
             or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return None
@@ -373,7 +374,8 @@ def _onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
         return None
 
 
-def _mkl_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+def mkl_pack(weight: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """An fp32 weight packed for MKL's GEMM on `batch` rows, or None where MKL cannot."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
         return None
     try:

@@ -29,6 +29,7 @@ import pandas as pd
 
 from stages import checkpoint
 from stages.config import PipelineConfig
+from stages.tags import COLLAPSE_GUARD_TAG, COLLAPSE_TAG, POLICY_ITERATION_TAG
 
 NO_COLLAPSE = "none"
 
@@ -119,8 +120,8 @@ class CollapseGuard:
                 "guard/policy_iteration": float(self.state.passing_iteration)}
 
     def tags(self) -> dict[str, str]:
-        return {"rlhf.collapse": self.state.collapse, "rlhf.policy_iteration": str(self.state.passing_iteration),
-                "rlhf.collapse_guard": self.cfg.ppo.on_collapse}
+        return {COLLAPSE_TAG: self.state.collapse, POLICY_ITERATION_TAG: str(self.state.passing_iteration),
+                COLLAPSE_GUARD_TAG: self.cfg.ppo.on_collapse}
 
 
 def set_actor_lr(trainer, base_lr: float) -> None:

@@ -14,17 +14,19 @@ from stages import lifecycle, loading, mlflow_models, precision, stats, tracking
 from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import read_jsonl
-from stages.rendering import encode_example, render_prompt
-from stages.launch import Dist
+from stages.dist import Dist
+from stages.rendering import encode_example
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
 from stages.ppo.external_scores import RewardServerUnavailable, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.reward_shaping import RunningMoments, ScoreMode
+from stages.ppo.setup import encode_prompts, initial_moments
 from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
 from stages.reward.model import load_reward_model
 from stages.tensors import masked_mean
 from stages.training import trained_model
+from stages.tags import ADVANTAGE_ESTIMATOR_TAG, FINAL_ITERATION_TAG, INPUT_TAG_PREFIX, PPO_PRESET_TAG
 
 
 
@@ -42,12 +44,6 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     if cfg.ppo.gold_reward_model:
         local["gold_reward_model_dir"] = str(tracking.download(cfg.ppo.gold_reward_model, downloads))
     return local
-
-
-def encode_prompts(tokenizer, rows: list[dict], max_prompt_len: int) -> list[list[int]]:
-    """Prompt token ids, the oldest turns cut when longer than max_prompt_len."""
-    return [tokenizer(render_prompt(tokenizer, r["messages"]), add_special_tokens=False)["input_ids"][-max_prompt_len:]
-            for r in rows]
 
 
 def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool = True):
@@ -91,14 +87,6 @@ def values_on_the_shaped_scale(critic, moments: RunningMoments, mode: ScoreMode)
     if mode == "normalise":
         head.bias.sub_(moments.mean)
     head.bias.div_(moments.std)
-
-
-def initial_moments(reward_model, critic=None) -> RunningMoments:
-    """Running score statistics: those critic pre-training ended with (every score it saw, with
-    their count), else the reward model's held-out mean and std with count 1."""
-    if critic is not None and critic.running_moments is not None:
-        return RunningMoments(**critic.running_moments)
-    return RunningMoments(mean=reward_model.score_mean, var=reward_model.score_std**2, count=1.0)
 
 
 def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str, list[tuple[list[int], list[int]]]]:
@@ -295,10 +283,10 @@ class PPOTraining(lifecycle.TrainingStage):
             policy.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
 
-        lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
+        lineage = {PPO_PRESET_TAG: ppo.preset, ADVANTAGE_ESTIMATOR_TAG: ppo.advantage_estimator, **guard.tags()}
         if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held
-            lineage["rlhf.input.critic_model"] = ""
-        tags = {**guard.tags(), "rlhf.final_iteration": str(final_iteration)}
+            lineage[f"{INPUT_TAG_PREFIX}critic_model"] = ""
+        tags = {**guard.tags(), FINAL_ITERATION_TAG: str(final_iteration)}
         return lifecycle.Finish({}, "policy_probe", probe=guard.passing_probe, save=save, pack=mlflow_models.chat(self.cfg),
                                 lineage=lineage, tags=tags, folders=(guard.directory,),
                                 outputs={"final_policy_model": final_policy or ""})

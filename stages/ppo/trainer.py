@@ -197,6 +197,16 @@ class PPOTrainer:
         self.last_experience = exp
         return metrics
 
+    def _advantages(self, mb: Experience) -> torch.Tensor:
+        """A minibatch's advantages, whitened (the switch and the estimator allowing) over the global
+        minibatch, the same on 1 rank or N, then clipped to ±advantage_clip."""
+        advantages = mb.advantages
+        if self.switches["whiten_advantages"] and self.estimator.whiten_switch:
+            advantages = masked_whiten(advantages, mb.response_mask, all_reduce_sum=self.dist.all_reduce_sum)
+        if self.ppo.advantage_clip is not None:
+            advantages = advantages.clamp(-self.ppo.advantage_clip, self.ppo.advantage_clip)
+        return advantages
+
     def optimise(self, exp: Experience) -> dict[str, float]:
         """PPO epochs over shuffled minibatches (§5.3.3): the registered policy loss (the clipped
         surrogate) + clipped value loss (with a critic), PPO-ptx, optional entropy bonus, one
@@ -213,13 +223,7 @@ class PPOTrainer:
                 step_stats: dict = {}
                 if self.critic is not None:
                     values = token_values(self.critic.module, mb.sequences, mb.attention_mask, mb.prompt_width)
-                if sw["whiten_advantages"] and self.estimator.whiten_switch:
-                    # over the global minibatch: the same on 1 rank or N
-                    advantages = masked_whiten(mb.advantages, mask, all_reduce_sum=self.dist.all_reduce_sum)
-                else:
-                    advantages = mb.advantages
-                if ppo.advantage_clip is not None:
-                    advantages = advantages.clamp(-ppo.advantage_clip, ppo.advantage_clip)
+                advantages = self._advantages(mb)
 
                 # This rank's token means as its share of the global minibatch's (1 on one rank).
                 share = token_mean_share(mask, self.dist)

@@ -16,7 +16,7 @@ import torch
 from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, read_jsonl
-from stages.launch import Dist
+from stages.dist import Dist
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.rendering import collate, count_cut, encode_example
@@ -25,6 +25,8 @@ from stages.reward.model import load_reward_model, reward_model_from_lm, save_re
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, cosine_with_warmup, make_engine, trained_model
+from stages.tags import (HELDOUT_ACCURACY_CI_HIGH_TAG, HELDOUT_ACCURACY_CI_LOW_TAG, HELDOUT_ACCURACY_TAG,
+                         HELDOUT_PAIRS_TAG, SCORE_MEAN_TAG, SCORE_STD_TAG)
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 
@@ -263,12 +265,12 @@ class RewardTraining(lifecycle.TrainingStage):
             pack=scorer_pack(self.cfg, self.dist),
             # The accuracy with its interval and pair count: the eval stage reads them to decide whether
             # this model, as a judge, can tell a better answer from a worse one (stages/evaluate/quality.py).
-            lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
-                     "rlhf.heldout_accuracy_ci_low": f"{metrics['eval/accuracy_ci_low']:.4f}",
-                     "rlhf.heldout_accuracy_ci_high": f"{metrics['eval/accuracy_ci_high']:.4f}",
-                     "rlhf.heldout_pairs": str(len(heldout)),
-                     "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
-                     "rlhf.score_std": f"{metrics['eval/score_std']:.6g}"},
+            lineage={HELDOUT_ACCURACY_TAG: f"{metrics['eval/accuracy']:.4f}",
+                     HELDOUT_ACCURACY_CI_LOW_TAG: f"{metrics['eval/accuracy_ci_low']:.4f}",
+                     HELDOUT_ACCURACY_CI_HIGH_TAG: f"{metrics['eval/accuracy_ci_high']:.4f}",
+                     HELDOUT_PAIRS_TAG: str(len(heldout)),
+                     SCORE_MEAN_TAG: f"{metrics['eval/score_mean']:.6g}",
+                     SCORE_STD_TAG: f"{metrics['eval/score_std']:.6g}"},
             report=report)
 
 
