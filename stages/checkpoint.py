@@ -86,13 +86,35 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
             raise full(f"{err}; {free_at_failure / 2**20:.1f} MiB were free when the write failed") from err
         raise
     if dist.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _replace(tmp, final)
         for old in sorted(directory.glob(f"{unit}-*"))[:-keep]:
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Put the written folder `tmp` in place of `final`. A checkpoint number saved again (a stop
+    right after a periodic checkpoint) keeps a copy that verifies at every moment: the old folder is
+    renamed aside, the new one renamed into place, and only then the old one deleted; a kill in
+    between leaves `final` or the `.old-` folder, which `repair` puts back."""
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def repair(directory: Path) -> None:
+    """Put back a checkpoint that a kill left renamed aside (`.old-<name>`) with nothing in its place."""
+    for aside in directory.glob(".old-*"):
+        final = aside.with_name(aside.name.removeprefix(".old-"))
+        if verified(final):
+            shutil.rmtree(aside, ignore_errors=True)
+        elif verified(aside):
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(aside, final)
 
 
 def checkpoint_bytes(engines: dict, state: dict) -> int:
@@ -173,6 +195,7 @@ def latest(directory: Path) -> Path | None:
     """The newest checkpoint that verifies (half-written or corrupted ones are skipped)."""
     if not directory.exists():
         return None
+    repair(directory)
     for folder in sorted((p for p in directory.iterdir() if not p.name.startswith(".")), reverse=True):
         if verified(folder):
             return folder
