@@ -297,7 +297,7 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_ch
     # critic after a step (its Adam moments made).
     trainer = greedy_one_minibatch_trainer(tiny)
     trainer.step()
-    size = folder_bytes(checkpoint.save_trainer(trainer, tmp_path)) * 3 // 2
+    size = folder_bytes(trainer.save_checkpoint(tmp_path)) * 3 // 2
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(checkpoints)],
                            capture_output=True, text=True)
     if mount.returncode != 0:
