@@ -95,10 +95,12 @@ class CriticTraining(lifecycle.TrainingStage):
         self.metrics = {"loss/value_avg": math.nan, "val/explained_variance": math.nan}
 
     def state(self) -> dict:
-        return self.trainer.state()
+        # The last rollout's losses: whether the critic converged, and what its end reports.
+        return {**self.trainer.state(), "last_metrics": dict(self.metrics)}
 
     def load_state(self, state: dict) -> None:
         self.trainer.load_state(state)
+        self.metrics = {**self.metrics, **state.get("last_metrics", {})}
 
     def step(self, number: int) -> dict[str, float]:
         # An iteration skipped for NaN/Inf scores (stages/nonfinite.py) trained nothing: no losses.

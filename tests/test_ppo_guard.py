@@ -134,8 +134,8 @@ class ScheduledPPO(PPOTraining):
         self.sft_weights = actor_weights(self.trainer)
 
     def step(self, number: int) -> dict[str, float]:
-        self.trainer.step()
-        metrics = self.collapse_guard.check(self.trainer, evaluation(kl=3.0 if number in self.breach_at else 0.5))
+        metrics = self.trainer.step()
+        metrics.update(self.collapse_guard.check(self.trainer, evaluation(kl=3.0 if number in self.breach_at else 0.5)))
         self.base_lr[number] = self.trainer.actor.lr_scheduler.base_lrs[0]
         if number == self.killed_after:
             raise Killed
