@@ -171,7 +171,7 @@ def test_a_rollback_replayed_after_a_resume_counts_once_and_cuts_the_lr_once(tin
     breaches and rolls back again, which is the run's first rollback, not its second."""
     overrides = [*ROLLBACK, "ppo.checkpoint_every=2"]
     killed, resumed = killed_then_resumed(tiny, overrides, dict(breach_at={3}, killed_after=3), dict(breach_at={3}))
-    actor_lr = resumed.ppo.actor_lr
+    actor_lr = resumed.trainer.ppo.actor_lr  # the tiny trainer's (ppo_helpers)
     assert killed.base_lr[3] == pytest.approx(actor_lr * 0.5)
     state = resumed.collapse_guard.state
     assert [(e["iteration"], e["action"]) for e in state.events] == [(3, "rollback")]
