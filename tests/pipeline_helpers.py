@@ -48,7 +48,7 @@ class MlflowServer:
             try:
                 if requests.get(f"{self.uri}/health", timeout=5).ok:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy starting
                 pass
             assert self.proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
             time.sleep(0.5)

@@ -215,9 +215,9 @@ class OutageThenCrash(ToyTraining):
 
 def test_metrics_queued_in_a_tracking_outage_survive_a_crash_after_the_checkpoint(toy_stage, tmp_path, monkeypatch):
     server = MlflowServer(tmp_path)
-    server.start()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     try:
+        server.start()
         cfg = load_config("tiny")
         pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
         tracker = pipeline.stage(TOY.name, resumes=True)
