@@ -56,10 +56,11 @@ def _save_file(path: Path, write) -> None:
         write(out)
 
 
-def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: int = 2, unit: str = "step") -> Path:
+def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: int | None = 2,
+         unit: str = "step") -> Path:
     """Write checkpoint `<unit>-<number>` of `engines` (name → engine) and `state` (collective under
-    DeepSpeed); keep the newest `keep` checkpoints. A full disk raises DiskFullError, the
-    checkpoints before this one intact."""
+    DeepSpeed); keep the newest `keep` checkpoints (None: every one, the caller prunes). A full
+    disk raises DiskFullError, the checkpoints before this one intact."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{unit}-{number:06d}"
     tmp = directory / f".tmp-{unit}-{number:06d}"
@@ -86,13 +87,35 @@ def save(directory: Path, number: int, engines: dict, state: dict, dist, keep: i
             raise full(f"{err}; {free_at_failure / 2**20:.1f} MiB were free when the write failed") from err
         raise
     if dist.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in sorted(directory.glob(f"{unit}-*"))[:-keep]:
+        _replace(tmp, final)
+        for old in sorted(directory.glob(f"{unit}-*"))[:-keep] if keep is not None else ():
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Put the written folder `tmp` in place of `final`. A checkpoint number saved again (a stop
+    right after a periodic checkpoint) keeps a copy that verifies at every moment: the old folder is
+    renamed aside, the new one renamed into place, and only then the old one deleted; a kill in
+    between leaves `final` or the `.old-` folder, which `repair` puts back."""
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def repair(directory: Path) -> None:
+    """Put back a checkpoint that a kill left renamed aside (`.old-<name>`) with nothing in its place."""
+    for aside in directory.glob(".old-*"):
+        final = aside.with_name(aside.name.removeprefix(".old-"))
+        if verified(final):
+            shutil.rmtree(aside, ignore_errors=True)
+        elif verified(aside):
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(aside, final)
 
 
 def checkpoint_bytes(engines: dict, state: dict) -> int:
@@ -173,6 +196,7 @@ def latest(directory: Path) -> Path | None:
     """The newest checkpoint that verifies (half-written or corrupted ones are skipped)."""
     if not directory.exists():
         return None
+    repair(directory)
     for folder in sorted((p for p in directory.iterdir() if not p.name.startswith(".")), reverse=True):
         if verified(folder):
             return folder
@@ -183,10 +207,15 @@ def load(folder: Path, engines: dict, dist) -> dict:
     """Restore `engines` and this rank's RNG from a checkpoint folder written by `save`; the
     stage's own state."""
     load_engines(folder, engines, dist)
-    state = torch.load(folder / STATE, weights_only=True)
+    state = read_state(folder)
     if _rng_file(folder, dist.rank).exists():
         load_rng_state(torch.load(_rng_file(folder, dist.rank), weights_only=True))
     return state
+
+
+def read_state(folder: Path) -> dict:
+    """The state file of a checkpoint folder: the stage's own state (see `stage_state`)."""
+    return torch.load(folder / STATE, weights_only=True)
 
 
 def load_engines(folder: Path, engines: dict, dist) -> None:
@@ -213,34 +242,3 @@ def stage_state(step: int, guard, state: dict) -> dict:
     counts, and the stage's own state."""
     return {"step": step, "guard": guard.state_dict(), **state}
 
-
-# -- a PPO trainer (PPO and critic pre-training) ----------------------------------------------------
-def trainer_engines(trainer) -> dict:
-    """The engines a PPO trainer's checkpoint holds: the critic, if the advantage estimator has one,
-    and the actor unless frozen (critic pre-training)."""
-    engines = {"critic": trainer.critic} if trainer.critic is not None else {}
-    if trainer.train_actor:
-        engines["actor"] = trainer.actor
-    return engines
-
-
-def save_trainer(trainer, directory: Path, keep: int = 2) -> Path:
-    """Checkpoint `iter-<iteration>` of a PPO trainer: its engines, running moments, prompt cursor,
-    RNG states and non-finite guard; keep the newest `keep`."""
-    return save(directory, trainer.iteration, trainer_engines(trainer),
-                stage_state(trainer.iteration, trainer.guard, trainer.state()), trainer.dist, keep=keep, unit="iter")
-
-
-def load_trainer(trainer, folder: Path) -> None:
-    """Restore a PPO trainer from a checkpoint folder of `save_trainer` (or of the lifecycle)."""
-    state = load(folder, trainer_engines(trainer), trainer.dist)
-    trainer.load_state(state)
-    trainer.guard.load_state_dict(state["guard"])
-
-
-def roll_back(trainer, folder: Path) -> None:
-    """Restore the models, optimisers, schedulers and running score statistics of a checkpoint, but
-    not its progress: iteration, episode, prompt cursor and RNG go on where they are (the collapse
-    guard's rollback trains on fresh prompts, and the curves keep one step per iteration run)."""
-    load_engines(folder, trainer_engines(trainer), trainer.dist)
-    trainer.moments.load_state_dict(torch.load(folder / STATE, weights_only=True)["moments"])

@@ -222,10 +222,10 @@ class _PromptAnswerSection(_TrainingSection):
     max_steps: int | None = Field(None, description="Optimiser steps; caps the epochs. ours: None, no cap.")
     log_every: int = Field(1, description="Log metrics every N optimiser steps. ours: every step.")
     checkpoint_every: int = Field(
-        50, ge=0, description="Checkpoint (weights, optimiser, scheduler, data position, RNG) every N optimiser steps "
-                              "and when a stop is asked; `rlhf run --resume` continues from the newest. 0: only on a "
-                              "stop. ours: a killed run loses at most 50 steps; one checkpoint of a 135M model is "
-                              "~1.6 GB (fp32 weights and Adam's two moments).")
+        50, ge=0, description="Checkpoint (weights, optimiser, scheduler, data position, RNG) every N optimiser steps, "
+                              "after the last step and when a stop is asked; `rlhf run --resume` continues from the "
+                              "newest. 0: only on a stop and after the last step. ours: a killed run loses at most 50 "
+                              "steps; one checkpoint of a 135M model is ~1.6 GB (fp32 weights and Adam's two moments).")
 
     @model_validator(mode="after")
     def _answer_leaves_room_for_the_prompt(self) -> _PromptAnswerSection:
@@ -578,8 +578,8 @@ class PPOConfig(_TrainingSection):
                                                  "so a paired interval is narrow enough to tell a drift from noise.")
     samples_every: int = Field(10, description="Sample-completions table and reward histogram every N iterations. "
                                                "ours: as eval_every.")
-    checkpoint_every: int = Field(10, description="Checkpoint every N iterations. ours: a killed run loses at "
-                                                  "most 10 iterations.")
+    checkpoint_every: int = Field(10, description="Checkpoint every N iterations, after the last one and when a "
+                                                  "stop is asked. ours: a killed run loses at most 10 iterations.")
     on_collapse: Literal["stop", "rollback", "warn"] = Field(
         "rollback",
         description="The live collapse guard: at each held-out evaluation the policy contract's bands "
@@ -657,8 +657,9 @@ class CriticConfig(_TrainingSection):
                                               "contract. ours: enough for its explained variance, cheap.")
     checkpoint_every: int = Field(
         5, ge=0, description="Checkpoint (the critic's weights, optimiser and scheduler, running score statistics, "
-                             "RNG, prompt position) every N rollouts and when a stop is asked; `rlhf run --resume` "
-                             "continues from the newest. 0: only on a stop. ours: a killed run loses at most 5 "
+                             "RNG, prompt position) every N rollouts, after the last one and when a stop is asked; "
+                             "`rlhf run --resume` continues from the newest. 0: only on a stop and after the last "
+                             "rollout. ours: a killed run loses at most 5 "
                              "rollouts (20 steps at the defaults); one checkpoint of a 135M critic is ~1.6 GB.")
 
 

@@ -12,7 +12,6 @@ import pandas as pd
 import torch
 
 from stages import lifecycle, precision, tracking
-from stages.checkpoint import trainer_engines
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.dist import Dist
@@ -91,17 +90,19 @@ class CriticTraining(lifecycle.TrainingStage):
         self.total = -(-critic_cfg.max_steps // self.steps_per_rollout)
         self.checkpoint_every = critic_cfg.checkpoint_every
         # The critic's engine, running moments, RNG, prompt cursor and rollout count.
-        self.engines, self.guard = trainer_engines(self.trainer), self.trainer.guard
+        self.engines, self.guard = self.trainer.checkpointed_engines(), self.trainer.guard
         self.params = {"critic": critic_cfg.model_dump(mode="json"), "critic.max_rollouts": self.total,
                        "critic.world_size": dist.world_size, "critic.reward_model": inputs["reward_model"],
                        "critic.switches": self.trainer.switches}
         self.metrics = {"loss/value_avg": math.nan, "val/explained_variance": math.nan}
 
     def state(self) -> dict:
-        return self.trainer.state()
+        # The last rollout's losses: whether the critic converged, and what its end reports.
+        return {**self.trainer.state(), "last_metrics": dict(self.metrics)}
 
     def load_state(self, state: dict) -> None:
         self.trainer.load_state(state)
+        self.metrics = {**self.metrics, **state.get("last_metrics", {})}
 
     def step(self, number: int) -> dict[str, float]:
         # An iteration skipped for NaN/Inf scores (stages/nonfinite.py) trained nothing: no losses.

@@ -84,10 +84,11 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
                          f"or pass from_run=<pipeline run id> (or 'latest')")
     pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
     tracker = pipeline.stage(stage, resumes=spec.resumes)
-    device = stage_device(cfg, stage)
-    tracker.log_params({"precision": precision.resolve(cfg.model.precision, device),
-                        "precision.hardware": precision.describe(device), "allocator": allocator.in_use()})
     try:
+        device = stage_device(cfg, stage)
+        tracker.log_attempt_params({"precision": precision.resolve(cfg.model.precision, device),
+                                    "precision.hardware": precision.describe(device),
+                                    "allocator": allocator.in_use()})
         outputs = run_stage(stage, cfg, tracker, inputs)
     except StageInterrupted:
         tracker.finish("KILLED")

@@ -5,6 +5,7 @@
    `rlhf.resumed_from`, and no (metric, step) that the killed attempt logged logged again;
 2. the loop: the stop point (Ctrl-C/SIGTERM stops at a step boundary, with a checkpoint), one step,
    its metrics logged, a checkpoint every `checkpoint_every` steps, tqdm progress, the time taken;
+   a checkpoint after the last step (or the stage's early stop), so the end can fail and resume;
 3. the end: the held-out evaluation's metrics and `<name>/train_seconds`, the model published
    (`tracking.StageRun.publish_model`), the contract's probe logged, the checkpoints deleted.
 
@@ -84,6 +85,10 @@ class TrainingStage:
     def load_state(self, state: dict) -> None:
         """Continue from a checkpoint's state (engines and RNG already restored)."""
 
+    def start_fresh(self) -> None:
+        """An attempt with no checkpoint to resume starts here (after the constructor): what a killed
+        attempt left outside the checkpoints is to be cleared."""
+
     def step(self, number: int) -> dict[str, float]:
         """Train step `number` (from 1); its metrics (every rank returns them)."""
         raise NotImplementedError
@@ -104,10 +109,15 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
     """Train `stage` from its newest checkpoint (or from the start), publish its model and probe;
     its outputs (on the main rank; {} on the others)."""
     directory = dist.workdir / "checkpoints"
+    saved: dict[int, Path] = {}  # the checkpoint of each step this attempt holds (or resumed from)
 
     def save(step: int) -> Path:
-        return checkpoint.save(directory, step, stage.engines, checkpoint.stage_state(step, stage.guard, stage.state()),
-                               dist, keep=stage.keep_checkpoints, unit=stage.checkpoint_unit)
+        """Checkpoint `step`, once: a stop right after a periodic checkpoint keeps that one."""
+        if step not in saved:
+            saved[step] = checkpoint.save(directory, step, stage.engines,
+                                          checkpoint.stage_state(step, stage.guard, stage.state()), dist,
+                                          keep=stage.keep_checkpoints, unit=stage.checkpoint_unit)
+        return saved[step]
 
     # The attempt: fresh, or resumed from the newest checkpoint that verifies.
     resumed_from, step = checkpoint.latest(directory), 0
@@ -116,6 +126,9 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
         stage.guard.load_state_dict(state["guard"])
         stage.load_state(state)
         step = state["step"]
+        saved[step] = resumed_from
+    else:
+        stage.start_fresh()
     if dist.is_main:
         tracker.start_attempt(stage.params, resumed_from)
         tracker.log_metrics(stage.first_metrics, step=0)
@@ -133,18 +146,20 @@ def run(stage: TrainingStage, cfg, tracker, inputs: dict, dist: Dist) -> dict:
                 step += 1
                 if dist.is_main:
                     tracker.log_metrics(stop.metrics, step=stage.metric_step(step))
-            saved = save(step)
             raise type(stop.error)(f"stage {stage.name} stopped after {stage.unit} {step}: {stop.error}; checkpoint "
-                                   f"{saved} (rlhf run --resume continues from it)") from None
+                                   f"{save(step)} (rlhf run --resume continues from it)") from None
         step += 1
         if dist.is_main and (step % stage.log_every == 0 or step == stage.total):
             tracker.log_metrics(metrics, step=stage.metric_step(step))
-        if stage.checkpoint_every and step % stage.checkpoint_every == 0 and step < stage.total and not stage.stopped():
+        if stage.checkpoint_every and step % stage.checkpoint_every == 0:
             save(step)
         progress.update(1)
         progress.set_postfix({label: f"{metrics[name]:.3f}" for label, name in stage.progress_metrics.items()})
     progress.close()
     train_seconds = time.perf_counter() - started
+    # The trained state, whatever `checkpoint_every` is: a failure in the end (the held-out
+    # evaluation, publishing, the probe) resumes here instead of training again.
+    save(step)
 
     # The end: evaluate, publish, probe; the checkpoints served resuming only.
     end = stage.finish()

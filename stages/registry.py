@@ -11,12 +11,16 @@ optionally `check(cfg)`, which raises a ConfigError for a setting the stage cann
 
 The stage modules are named, not imported: this table sits below them in the import rule
 (pyproject.toml [tool.importlinter]), and `Stage.load` imports one only when it is asked about.
+So is the data contracts' check (`CONTRACT_CHECK`), which a stage that runs a contract while it
+trains (PPO's collapse guard) is handed: data_contracts reads what stages make, so no stage
+imports it.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -68,6 +72,16 @@ class Stage:
         """Why this configuration does not run the stage (its module's `skip_reason(cfg)`), or None."""
         skip_reason = getattr(self.load(), "skip_reason", None)
         return skip_reason(cfg) if skip_reason is not None else None
+
+
+# (suite, probe frame, cfg) → the suite's report: the gates' check, for a stage to run while it trains.
+CONTRACT_CHECK = "data_contracts.gate:validate"
+
+
+def contract_check() -> Callable:
+    """The data contracts' check (`CONTRACT_CHECK`), imported when a stage asks for it."""
+    module, _, name = CONTRACT_CHECK.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 PIPELINE = ("model", "data", "sft", "reward")  # the sections every model stage depends on, in order

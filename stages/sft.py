@@ -65,13 +65,13 @@ def accumulate_step(engine, micro_batches: list[list[tuple[list[int], list[int]]
     for micro, chunk in enumerate(micro_batches):
         batch = {k: v.to(dist.device) for k, v in collate(chunk, pad_id).items()}
         nll, n = response_nll(engine, batch)
-        # A NaN/Inf loss adds no gradient: the engine's accumulation waits for the next finite
-        # micro-batch, so no optimiser step ever takes in a non-finite one.
-        if not guard.check({"loss": nll}, f"step {step}, micro-batch {micro + 1}"):
-            continue
-        engine.backward(nll * scale)
+        # A NaN/Inf loss adds no gradient, but its micro-step still counts: the engine steps the
+        # optimiser after this step's last micro-batch, on this step's finite ones only (a skipped
+        # micro-step would move every later optimiser step into the next step's micro-batches).
+        if guard.check({"loss": nll}, f"step {step}, micro-batch {micro + 1}"):
+            engine.backward(nll * scale)
+            loss_sum, tokens = loss_sum + nll.item(), tokens + n
         engine.step()
-        loss_sum, tokens = loss_sum + nll.item(), tokens + n
     return loss_sum, tokens
 
 

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -256,16 +257,21 @@ class StageRun:
     Every tracking call rides out an unreachable tracking server: it is retried with exponential
     backoff until the server has been unreachable for `patience_s`, then TrackingUnavailable.
     Metrics, sample tables and `log_artifact(..., buffered=True)` do not wait: they are queued and
-    sent, in order, by the next call that finds the server back, so training goes on meanwhile."""
+    sent, in order, by the next call that finds the server back, so training goes on meanwhile.
+    The queue is kept in the stage's folder too (`pending_calls.pkl`): a process that dies before
+    the server is back leaves it to the resumed attempt (`start_attempt`), whose checkpoint may be
+    past the steps those metrics belong to."""
 
     MAX_BACKOFF_S = 30.0
+    SPOOL = "pending_calls.pkl"
 
     def __init__(self, mlflow_client, run_id: str, stage: str, workdir: Path, pipeline_run_id: str,
                  patience_s: float = 600.0):
         self.client, self.run_id, self.stage = mlflow_client, run_id, stage
         self.workdir, self.pipeline_run_id, self.patience_s = workdir, pipeline_run_id, patience_s
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._pending: list = []  # queued calls not yet delivered, oldest first
+        self._pending: list = []  # queued (client method, args, kwargs) not yet delivered, oldest first
+        self._owns_spool = False  # this StageRun wrote (or took over) `SPOOL`, so deletes it once delivered
         self._logged: set[tuple[str, int]] = set()  # (metric, step) the run held already (skip_logged_steps)
         self._down_since: float | None = None  # when the server became unreachable
         self._backoff_s = 1.0
@@ -287,7 +293,8 @@ class StageRun:
                 raise TrackingUnavailable(
                     f"MLflow tracking server {tracking_uri()} unreachable for {now - self._down_since:.0f} s, longer "
                     f"than orchestration.tracking_patience_s={self.patience_s:g}; {len(self._pending)} queued calls "
-                    f"undelivered. Its local files, checkpoints included, stay in {self.workdir}: `rlhf run --resume "
+                    f"undelivered (kept in {self.workdir / self.SPOOL}). Its local files, checkpoints included, stay "
+                    f"in {self.workdir}: `rlhf run --resume "
                     f"{self.pipeline_run_id}` continues once the server is back. Last error: {err}") from err
             self._next_try = now + self._backoff_s
             self._backoff_s = min(2 * self._backoff_s, self.MAX_BACKOFF_S)
@@ -305,17 +312,57 @@ class StageRun:
             time.sleep(max(0.0, self._next_try - time.monotonic()))
 
     def _queue(self, fn, *args, **kwargs) -> None:
-        """A tracking call, now unless the server is unreachable, else later (in order)."""
-        self._pending.append(functools.partial(fn, *args, **kwargs))
+        """A tracking call (a method of the client), now unless the server is unreachable, else
+        later (in order)."""
+        self._pending.append((fn.__name__, args, kwargs))
         self._send_pending(wait=False)
 
     def _send_pending(self, wait: bool) -> None:
-        while self._pending:
-            if not wait and time.monotonic() < self._next_try:
-                return  # backing off: training goes on, the calls stay queued
-            time.sleep(max(0.0, self._next_try - time.monotonic()))
-            if self._try(self._pending[0])[0]:
-                self._pending.pop(0)
+        try:
+            while self._pending:
+                if not wait and time.monotonic() < self._next_try:
+                    return  # backing off: training goes on, the calls stay queued
+                time.sleep(max(0.0, self._next_try - time.monotonic()))
+                name, args, kwargs = self._pending[0]
+                if self._try(getattr(self.client, name), *args, **kwargs)[0]:
+                    self._pending.pop(0)
+        finally:
+            self._spool()
+
+    def _spool(self) -> None:
+        """The queue, written to the stage's folder while it is not empty (atomically); deleted
+        once delivered by the StageRun that wrote it or took it over (`_replay_spooled`): the
+        launching process's StageRun of a stage that runs as ranks leaves rank 0's alone."""
+        path = self.workdir / self.SPOOL
+        if self._pending:
+            tmp = path.with_name(f".{self.SPOOL}.tmp")
+            tmp.write_bytes(pickle.dumps({"run_id": self.run_id, "calls": self._pending}))
+            os.replace(tmp, path)
+            self._owns_spool = True
+        elif self._owns_spool:
+            path.unlink(missing_ok=True)
+            self._owns_spool = False
+
+    def _replay_spooled(self) -> None:
+        """Queue the calls a dead attempt of this run left undelivered, but no (metric, step) the
+        run holds already: the resumed attempt logs none of them again either."""
+        path = self.workdir / self.SPOOL
+        if not path.exists():
+            return
+        spooled = pickle.loads(path.read_bytes())  # our own file, in the stage's folder
+        self._owns_spool = True
+        if spooled["run_id"] != self.run_id:  # another run's (a fresh attempt in a new run)
+            path.unlink()
+            return
+        for name, args, kwargs in spooled["calls"]:
+            if name == "log_batch":
+                metrics = [m for m in kwargs["metrics"] if (m.key, m.step) not in self._logged]
+                if not metrics:
+                    continue
+                self._logged.update((m.key, m.step) for m in metrics)
+                kwargs = {**kwargs, "metrics": metrics}
+            self._pending.append((name, args, kwargs))
+        self._send_pending(wait=False)
 
     def flush(self) -> None:
         """Deliver the queued calls, waiting while the server is unreachable (within the patience)."""
@@ -324,11 +371,13 @@ class StageRun:
     def start_attempt(self, params: dict, resumed_from) -> None:
         """A training stage's start in this run (on the main rank): its params when it starts fresh
         (a resumed attempt keeps the killed one's), the checkpoint folder it resumed from (a Path, or
-        None) as the tag `rlhf.resumed_from`, and no step logged twice (`skip_logged_steps`)."""
+        None) as the tag `rlhf.resumed_from`, no step logged twice (`skip_logged_steps`), and the
+        calls a dead attempt left queued (`pending_calls.pkl`) delivered."""
         if resumed_from is None:
             self.log_params(params)
         self.set_tags({RESUMED_FROM_TAG: resumed_from.name if resumed_from else "none"})
         self.skip_logged_steps()
+        self._replay_spooled()
 
     def skip_logged_steps(self) -> None:
         """From now on log no (metric, step) that the run already holds: a stage resumed from a
@@ -341,6 +390,20 @@ class StageRun:
     # -- logging ---------------------------------------------------------------------------
     def log_params(self, params: dict) -> None:
         self._call(log_params, self.client, self.run_id, params)
+
+    def log_attempt_params(self, params: dict[str, str]) -> None:
+        """Params that describe where this attempt runs (precision, hardware, allocator). A
+        resumed attempt logs into its killed attempt's run, and MLflow refuses to change a param:
+        a value the run holds under `key` (or `key.attempt_<n>`) is kept, a new one is logged as
+        the first free `key.attempt_<n>` (n ≥ 2), so every machine the run trained on is there."""
+        held = self._call(self.client.get_run, self.run_id).data.params
+        new = {}
+        for key, value in params.items():
+            taken = [name for name in held if name == key or name.startswith(f"{key}.attempt_")]
+            if str(value) not in (held[name] for name in taken):
+                new[f"{key}.attempt_{len(taken) + 1}" if taken else key] = str(value)
+        if new:
+            self.log_params(new)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric  # deferred: MLflow

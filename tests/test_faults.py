@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
-from pipeline_helpers import TRL_NAMES, stage_run
+from pipeline_helpers import TRL_NAMES, MlflowServer, stage_run
 
 from stages import tracking
 from stages.config import load_config
-from stages.launch import execute, free_port
+from stages.launch import execute
 from stages import checkpoint
 
 
@@ -148,34 +147,6 @@ def test_a_killed_critic_stage_resumes_with_every_rollout_logged_once(full_run):
     assert_an_uninterrupted_runs_numbers(attempt, full_run, "critic", overrides, (
         "critic/value_avg", "critic/explained_variance", "objective/scores", "reward/running_mean",
         "critic/heldout_value_loss"))
-
-
-class MlflowServer:
-    """A real `mlflow server` on a free loopback port over the session's SQLite store."""
-
-    def __init__(self, home: Path):
-        self.home, self.port, self.proc = home, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--workers", "1", "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
-               "--artifacts-destination", str(self.home / "mlflow-server-artifacts")]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"{self.uri}/health", timeout=5).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, at once
-            self.proc.wait()
 
 
 @pytest.fixture
@@ -326,7 +297,7 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_ch
     # critic after a step (its Adam moments made).
     trainer = greedy_one_minibatch_trainer(tiny)
     trainer.step()
-    size = folder_bytes(checkpoint.save_trainer(trainer, tmp_path)) * 3 // 2
+    size = folder_bytes(trainer.save_checkpoint(tmp_path)) * 3 // 2
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(checkpoints)],
                            capture_output=True, text=True)
     if mount.returncode != 0:

@@ -1,7 +1,9 @@
 """The training-stage lifecycle (stages/lifecycle.py) on a toy training stage that only this module
 defines: SIGKILLed mid-run in a process of its own, then resumed from its checkpoint in the same
 MLflow run, it logs every step exactly once (the real MLflow store), with an uninterrupted run's
-numbers, its non-finite guard's count carried over, and its checkpoints gone at the end.
+numbers, its non-finite guard's count carried over, and its checkpoints gone at the end. A failure
+in the end phase resumes without training again; a resume on other hardware records both
+machines; metrics queued in a tracking outage survive a crash after the checkpoint.
 
 Run as a script (`python tests/test_lifecycle.py <pipeline run id>`) it is the toy stage's process."""
 
@@ -18,8 +20,11 @@ import pandas as pd
 import pytest
 import torch
 
-from stages import checkpoint, lifecycle, registry, tracking
+from pipeline_helpers import MlflowServer
+
+from stages import allocator, checkpoint, lifecycle, precision, registry, tracking
 from stages.config import load_config
+from stages.dist import Dist
 from stages.launch import execute
 from stages.nonfinite import NonFiniteGuard
 from stages.registry import Stage
@@ -134,6 +139,101 @@ def test_a_toy_stage_killed_mid_run_resumes_with_every_step_logged_once(toy_stag
     assert logged_once(attempt.info.run_id, "train/skipped_steps")[STEPS] == 1.0  # the guard's count survived the kill
     assert (attempt.data.metrics["toy/weight_0"]
             == pytest.approx(uninterrupted.data.metrics["toy/weight_0"]))  # so did the trained weights
+
+
+class EndFails(ToyTraining):
+    """The toy stage, checkpointed only on a stop, whose end fails when `fail` (the tracking server
+    gone while it publishes); `trained`: the steps this attempt trained."""
+
+    def __init__(self, dist, fail: bool):
+        super().__init__(dist)
+        self.checkpoint_every, self.fail, self.trained = 0, fail, []
+
+    def step(self, number: int) -> dict[str, float]:
+        self.trained.append(number)
+        return super().step(number)
+
+    def finish(self) -> lifecycle.Finish:
+        if self.fail:
+            raise tracking.TrackingUnavailable("the tracking server went away while the model was published")
+        return super().finish()
+
+
+def test_a_failure_in_the_end_resumes_from_the_last_step_without_training_again(toy_stage):
+    cfg = load_config("tiny")
+    pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+    tracker = pipeline.stage(TOY.name, resumes=True)
+    dist = Dist(workdir=tracker.workdir)
+    with pytest.raises(tracking.TrackingUnavailable):
+        lifecycle.run(EndFails(dist, fail=True), cfg, tracker, {}, dist)
+    tracker.finish("FAILED")
+    found = checkpoint.latest(dist.workdir / "checkpoints")
+    assert found is not None and found.name == f"step-{STEPS:06d}"
+
+    resumed = pipeline.stage(TOY.name, resumes=True)
+    stage = EndFails(dist, fail=False)
+    outputs = lifecycle.run(stage, cfg, resumed, {}, dist)
+    assert resumed.run_id == tracker.run_id and stage.trained == []  # nothing trained twice
+    assert outputs["toy_probe"].endswith("contracts/toy_probe.parquet")
+    assert not (dist.workdir / "checkpoints").exists()
+
+
+def test_a_stage_resumed_on_other_hardware_records_both_machines_and_finishes(toy_stage):
+    cfg = load_config("tiny")
+    pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+    killed = pipeline.stage(TOY.name, resumes=True)
+    elsewhere = {"precision.hardware": "NVIDIA H100 80GB HBM3: native bf16", "allocator": "another allocator"}
+    killed.log_params(elsewhere)
+    killed.finish("KILLED")
+
+    execute(TOY.name, cfg, pipeline.run_id, {})
+    (attempt,) = tracking.stage_runs(pipeline.run_id)
+    assert attempt.info.run_id == killed.run_id and attempt.info.status == "FINISHED"
+    here = {"precision.hardware": precision.describe("cpu"), "allocator": allocator.in_use()}
+    params = attempt.data.params
+    for key, value in elsewhere.items():
+        assert params[key] == value, key  # the killed attempt's machine
+    for key, value in here.items():
+        assert params[f"{key}.attempt_2"] == value, key  # and the resumed one's
+
+
+class OutageThenCrash(ToyTraining):
+    """The toy stage whose tracking server goes down at step 2, for good, and whose process dies
+    after step CHECKPOINT_EVERY + 2: its checkpoint is past steps whose metrics are still queued."""
+
+    def __init__(self, dist, server: MlflowServer):
+        super().__init__(dist)
+        self.server = server
+
+    def step(self, number: int) -> dict[str, float]:
+        if number == 2:
+            self.server.stop()
+        if number == CHECKPOINT_EVERY + 3:
+            raise SystemExit("killed")
+        return super().step(number)
+
+
+def test_metrics_queued_in_a_tracking_outage_survive_a_crash_after_the_checkpoint(toy_stage, tmp_path, monkeypatch):
+    server = MlflowServer(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    try:
+        server.start()
+        cfg = load_config("tiny")
+        pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+        tracker = pipeline.stage(TOY.name, resumes=True)
+        dist = Dist(workdir=tracker.workdir)
+        with pytest.raises(SystemExit):
+            lifecycle.run(OutageThenCrash(dist, server), cfg, tracker, {}, dist)
+        assert checkpoint.latest(dist.workdir / "checkpoints").name == f"step-{CHECKPOINT_EVERY:06d}"
+
+        server.start()  # back; the dead attempt's queue died with its process
+        tracker.client.set_terminated(tracker.run_id, status="KILLED")
+        resumed = pipeline.stage(TOY.name, resumes=True)
+        lifecycle.run(ToyTraining(dist), cfg, resumed, {}, dist)
+        resumed.finish("FINISHED")
+        logged_once(resumed.run_id, "toy/loss")  # steps 2..4 were queued when the process died
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ def test_resume_from_a_checkpoint_gives_the_same_run(tiny, tmp_path):
 
     first = make_trainer(tiny)
     run(2, first)
-    saved = checkpoint.save_trainer(first, tmp_path / "ckpt")
+    saved = first.save_checkpoint(tmp_path / "ckpt")
     assert checkpoint.latest(tmp_path / "ckpt") == saved
     del first  # "killed" after iteration 2
 
     second = make_trainer(tiny)
     torch.manual_seed(123)  # a different process state: everything must come from the checkpoint
-    checkpoint.load_trainer(second, saved)
+    second.load_checkpoint(saved)
     resumed = run(2, second)
     assert second.iteration == 4 and second.episode == 4 * 32
     for name in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "episode"):
@@ -59,9 +59,9 @@ def test_resume_from_a_checkpoint_gives_the_same_run(tiny, tmp_path):
 def test_a_half_written_or_corrupted_checkpoint_is_never_loaded(tiny, tmp_path):
     trainer = make_trainer(tiny)
     trainer.step()
-    good = checkpoint.save_trainer(trainer, tmp_path)
+    good = trainer.save_checkpoint(tmp_path)
     trainer.step()
-    newer = checkpoint.save_trainer(trainer, tmp_path)
+    newer = trainer.save_checkpoint(tmp_path)
     (tmp_path / ".tmp-iter-000003").mkdir()  # a crash mid-write leaves only a temp folder
     assert checkpoint.latest(tmp_path) == newer
     with open(newer / "critic.safetensors", "r+b") as handle:  # flip bytes: checksum mismatch
@@ -151,9 +151,9 @@ def test_checkpoint_keeps_the_cuda_rng_states(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [devices[0].clone(), devices[1].clone()])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: devices.__setitem__(device, state.clone()))
-    saved = checkpoint.save_trainer(trainer, tmp_path)
+    saved = trainer.save_checkpoint(tmp_path)
     devices[0], devices[1] = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
-    checkpoint.load_trainer(trainer, saved)
+    trainer.load_checkpoint(saved)
     assert devices[0].tolist() == list(range(8)) and devices[1].tolist() == list(range(8, 16))
 
 
@@ -205,11 +205,11 @@ def test_a_critic_free_estimator_raises_a_rule_reward_without_a_critic(tiny, tmp
     assert len(rows) == 32 and all(rows[i] == rows[i - i % k] for i in range(32))
     assert trainer.cursor in (cursor + 32 // k, 32 // k)  # (or a new pass began)
     # No critic in the checkpoint; it resumes into a critic-free trainer.
-    saved = checkpoint.save_trainer(trainer, tmp_path)
+    saved = trainer.save_checkpoint(tmp_path)
     files = {p.name for p in saved.iterdir()}
     assert "actor.safetensors" in files and not [name for name in files if name.startswith("critic")]
     resumed = make_trainer(tiny, f"ppo.advantage_estimator={estimator}", f"ppo.samples_per_prompt={k}", critic=None)
-    checkpoint.load_trainer(resumed, saved)
+    resumed.load_checkpoint(saved)
     assert resumed.iteration == 30 and resumed.critic is None
 
 

@@ -60,6 +60,35 @@ def test_sft_loss_is_one_token_mean_over_accumulated_batch():
                                    msg=lambda detail: f"{name}: {detail}")
 
 
+def test_a_skipped_nonfinite_micro_batch_keeps_each_optimiser_step_on_its_step():
+    """grad_accum 4 with step 2's second micro-batch NaN (its tokens' embedding is NaN): that
+    micro-batch adds no gradient, and every step still ends in exactly one optimiser step with
+    nothing left accumulated for the next step's micro-batches."""
+    poison, rng = VOCAB - 1, random.Random(1)
+
+    def clean() -> tuple[list[int], list[int]]:
+        ids = [rng.randrange(1, poison) for _ in range(8)]
+        return ids, [-100] * 3 + ids[3:]
+
+    model = tiny_lm()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    engine = PlainEngine(model, optimizer, scheduler, grad_accum_steps=4, max_grad_norm=1.0)
+    dist = Dist()
+    guard = NonFiniteGuard("sft", 3, dist)
+    for step in range(1, 5):
+        micro_batches = [[clean()] for _ in range(4)]
+        if step == 2:
+            micro_batches[1] = [([poison] * 8, [-100] * 3 + [poison] * 5)]
+        before = scheduler.last_epoch
+        accumulate_step(engine, micro_batches, PAD, guard, dist, step)
+        assert (scheduler.last_epoch - before, engine.micro_steps) == (1, 4 * step), f"step {step}"
+        assert all(p.grad is None for p in model.parameters()), f"gradient carried over after step {step}"
+    assert guard.skipped == 1
+
+
 def test_sft_schedule_decays_to_ten_percent_of_the_peak():
     """Paper §5.1: SFT's cosine decays to 10 % of the peak lr (transformers' schedule: to 0)."""
     from stages.config import SFTConfig

@@ -3,10 +3,10 @@ SFT policy blowing up, response length and perplexity drifting) enforced while P
 by the gate at the end. The KL is tempered: both policies at the sampling temperature
 (`ppo.generation.temperature`), the KL PPO penalises; the perplexities are at T = 1.
 
-At each held-out evaluation the policy contract (data_contracts, suite `policy`: the same bands the
-gate after the stage checks) judges the policy's responses against the SFT policy's. A pass saves
-a checkpoint (`<workdir>/passing/`, the newest only) and its probe frame. A breach, by
-`ppo.on_collapse`:
+At each held-out evaluation the policy contract (data_contracts' check of suite `policy`, handed
+in by the stage: the same bands the gate after the stage checks) judges the policy's responses
+against the SFT policy's. A pass saves a trainer checkpoint (`<workdir>/passing/iter-N`) and its
+probe frame (`probe-N.parquet`). A breach, by `ppo.on_collapse`:
 - stop: the stage ends;
 - rollback: the last passing checkpoint is restored (models, optimisers, running score
   statistics; the iteration count and prompt stream go on) and the actor lr is set to
@@ -17,21 +17,33 @@ a checkpoint (`<workdir>/passing/`, the newest only) and its probe frame. A brea
 In every case the policy the stage registers is the last one that passed (iteration 0 is the SFT
 policy itself, the baseline the bands are measured from), tagged `rlhf.collapse` with the
 iteration and rule that broke. The decisions are metrics (`guard/*`) and tags.
+
+The guard's state (`GuardState`: counts, events, which passing point is current) is part of the
+stage's lifecycle checkpoint (`state_dict`), so a resumed attempt continues from the decisions
+made up to its checkpoint, not from a killed attempt's later ones: a rollback replayed after a
+resume is counted, and cuts the lr, once. Passing points stay while the current one or one of the
+newest lifecycle checkpoints refers to them; a resume deletes the killed attempt's later ones, and
+a fresh attempt (`start`) every one.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-from stages import checkpoint
 from stages.config import PipelineConfig
 from stages.tags import COLLAPSE_GUARD_TAG, COLLAPSE_TAG, POLICY_ITERATION_TAG
 
 NO_COLLAPSE = "none"
+
+# data_contracts' check of a probe frame against a suite: (suite, frame, cfg) → a report with
+# `success` and `failures` (each with `describe()`).
+ContractCheck = Callable[[str, pd.DataFrame, PipelineConfig], Any]
 
 
 def policy_probe(frame: pd.DataFrame, baseline: pd.DataFrame) -> pd.DataFrame:
@@ -42,9 +54,9 @@ def policy_probe(frame: pd.DataFrame, baseline: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass
 class GuardState:
-    """What survives a crash with the checkpoints: `<workdir>/passing/guard.json`."""
+    """What a lifecycle checkpoint keeps of the guard's decisions."""
 
-    passing_iteration: int = 0
+    passing_iteration: int = 0  # the current passing point: `passing/iter-<passing_iteration>`
     rollbacks: int = 0
     breaches: int = 0
     collapse: str = NO_COLLAPSE  # the last breach: "iteration 12: <rule>"
@@ -52,40 +64,71 @@ class GuardState:
 
 
 class CollapseGuard:
-    def __init__(self, cfg: PipelineConfig, baseline: pd.DataFrame, workdir: Path, dist):
-        self.cfg, self.baseline, self.dist = cfg, baseline, dist
+    def __init__(self, cfg: PipelineConfig, baseline: pd.DataFrame, workdir: Path, dist, contract: ContractCheck):
+        self.cfg, self.baseline, self.dist, self.contract = cfg, baseline, dist, contract
         self.directory = workdir / "passing"
-        self.state_file, self.probe_file = self.directory / "guard.json", self.directory / "probe.parquet"
-        self.state = GuardState(**json.loads(self.state_file.read_text())) if self.state_file.exists() else GuardState()
-        self.stopped = False
+        self.state, self.stopped = GuardState(), False
+        self.pinned: list[int] = []  # the passing iterations the newest lifecycle checkpoints refer to
 
     # -- passing points ------------------------------------------------------------------------
     def start(self, trainer) -> None:
-        """Iteration 0, the SFT policy: the first passing point (unless a resumed run has one)."""
-        if checkpoint.latest(self.directory) is None:
-            self._passed(trainer, policy_probe(self.baseline, self.baseline))
+        """A fresh attempt (no lifecycle checkpoint to resume): a killed attempt's passing points
+        are gone, and iteration 0, the SFT policy, is the first."""
+        if self.dist.is_main:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        self.dist.barrier()
+        self.state, self.stopped, self.pinned = GuardState(), False, []
+        self._passed(trainer, policy_probe(self.baseline, self.baseline))
+
+    def passing_folder(self) -> Path:
+        """The trainer checkpoint of the current passing point."""
+        return self.directory / f"iter-{self.state.passing_iteration:06d}"
+
+    def _probe_file(self, iteration: int) -> Path:
+        return self.directory / f"probe-{iteration:06d}.parquet"
 
     def _passed(self, trainer, probe: pd.DataFrame) -> None:
-        checkpoint.save_trainer(trainer, self.directory, keep=1)
+        trainer.save_checkpoint(self.directory, keep=None)
         self.state.passing_iteration = trainer.iteration
         if self.dist.is_main:
-            probe.to_parquet(self.probe_file)
-        self._save_state()
+            probe.to_parquet(self._probe_file(trainer.iteration))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Delete the passing points that neither the current state nor a kept lifecycle checkpoint refers to."""
+        if not self.dist.is_main or not self.directory.exists():
+            return
+        keep = {self.state.passing_iteration, *self.pinned}
+        for path in self.directory.iterdir():
+            number = path.name.removesuffix(".parquet").rpartition("-")[2]
+            if not number.isdigit() or int(number) in keep:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     def passing_probe(self) -> pd.DataFrame:
-        return pd.read_parquet(self.probe_file)
+        return pd.read_parquet(self._probe_file(self.state.passing_iteration))
 
-    def _save_state(self) -> None:
-        if self.dist.is_main:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.state_file.write_text(json.dumps(self.state.__dict__, indent=1))
+    # -- in the lifecycle's checkpoints --------------------------------------------------------
+    def state_dict(self, checkpoints_kept: int) -> dict:
+        """The guard's part of a lifecycle checkpoint. Its passing point stays on disk while one of
+        the newest `checkpoints_kept` lifecycle checkpoints may refer to it."""
+        self.pinned = [*self.pinned, self.state.passing_iteration][-checkpoints_kept:]
+        return {"state": asdict(self.state), "stopped": self.stopped, "pinned": list(self.pinned)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue from a lifecycle checkpoint: its decisions, and no passing point that a killed
+        attempt saved after it."""
+        self.state, self.stopped, self.pinned = GuardState(**saved["state"]), saved["stopped"], list(saved["pinned"])
+        self._prune()
+        self.dist.barrier()
 
     # -- the check -----------------------------------------------------------------------------
     def breach(self, probe: pd.DataFrame) -> str | None:
         """The policy contract on one evaluation's probe: None if it passes, else the rules that broke."""
-        from data_contracts.gate import validate  # deferred: Great Expectations loads at the first check
-
-        report = validate("policy", probe, self.cfg)
+        report = self.contract("policy", probe, self.cfg)
         return None if report.success else " | ".join(f.describe() for f in report.failures)
 
     def check(self, trainer, frame: pd.DataFrame) -> dict[str, float]:
@@ -104,11 +147,10 @@ class CollapseGuard:
                 action = "stop"  # out of rollbacks, or no iteration left to train on
             if action == "rollback":
                 self.state.rollbacks += 1
-                checkpoint.roll_back(trainer, checkpoint.latest(self.directory))
-                set_actor_lr(trainer, trainer.ppo.actor_lr * ppo.rollback_lr_factor ** self.state.rollbacks)
+                trainer.roll_back_to(self.passing_folder())
+                trainer.set_actor_lr(trainer.ppo.actor_lr * ppo.rollback_lr_factor ** self.state.rollbacks)
             self.stopped = action == "stop"
             self.state.events.append({"iteration": it, "action": action, "rule": rule})
-            self._save_state()
             then = {"stop": f"stop; the policy is iteration {self.state.passing_iteration}'s",
                     "rollback": f"rollback {self.state.rollbacks} of {ppo.max_rollbacks} to iteration "
                                 f"{self.state.passing_iteration}'s weights, actor lr ×"
@@ -122,14 +164,3 @@ class CollapseGuard:
     def tags(self) -> dict[str, str]:
         return {COLLAPSE_TAG: self.state.collapse, POLICY_ITERATION_TAG: str(self.state.passing_iteration),
                 COLLAPSE_GUARD_TAG: self.cfg.ppo.on_collapse}
-
-
-def set_actor_lr(trainer, base_lr: float) -> None:
-    """The actor's lr schedule with peak `base_lr`, at the point of the schedule it has reached. The
-    scheduler state just restored holds the base lr of the checkpoint, which an earlier rollback may
-    have cut already: the new one replaces it rather than scaling it."""
-    scheduler = trainer.actor.lr_scheduler
-    for group, lr, restored_base in zip(trainer.actor.optimizer.param_groups, scheduler.get_last_lr(),
-                                        scheduler.base_lrs):
-        group["lr"] = lr * base_lr / restored_base
-    scheduler.base_lrs = [base_lr] * len(scheduler.base_lrs)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, loading, mlflow_models, precision, stats, tracking
-from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
+from stages import lifecycle, loading, mlflow_models, precision, registry, stats, tracking
+from stages.checkpoint import load_rng_state, rng_state
 from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
 from stages.data import read_jsonl
 from stages.dist import Dist
 from stages.rendering import encode_example
 from stages.ppo.advantages import needs_critic
-from stages.ppo.collapse_guard import CollapseGuard
+from stages.ppo.collapse_guard import CollapseGuard, ContractCheck
 from stages.ppo.external_scores import RewardServerUnavailable, text_scores
 from stages.ppo.experience import reward_model_scores, rule_scores
 from stages.ppo.reward_shaping import RunningMoments, ScoreMode
@@ -196,7 +196,8 @@ class PPOTraining(lifecycle.TrainingStage):
     name, unit, checkpoint_unit, keep_checkpoints = "ppo", "iteration", "iter", 2
     progress_metrics = {"score": "objective/scores", "kl": "objective/kl"}
 
-    def __init__(self, cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist):
+    def __init__(self, cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist,
+                 contract: ContractCheck):
         ppo = self.ppo = cfg.ppo
         self.cfg, self.tracker = cfg, tracker
         torch.manual_seed(ppo.seed)
@@ -214,7 +215,7 @@ class PPOTraining(lifecycle.TrainingStage):
             ptx_examples=ptx, tokenizer=self.tokenizer, dist=dist, moments=moments,
             warmup=warmup_steps(ppo, pretrained_critic), precision=precision.resolve(cfg.model.precision, dist.device))
         self.total, self.checkpoint_every = ppo.iterations, ppo.checkpoint_every
-        self.engines, self.guard = trainer_engines(trainer), trainer.guard
+        self.engines, self.guard = trainer.checkpointed_engines(), trainer.guard
         self.params = {"ppo": ppo.model_dump(mode="json"), "ppo.switches": trainer.switches,
                        "ppo.world_size": dist.world_size, "ppo.engine": type(trainer.actor).__name__,
                        "ppo.sft_model": inputs["sft_model"], "ppo.reward_model": inputs["reward_model"],
@@ -224,21 +225,25 @@ class PPOTraining(lifecycle.TrainingStage):
         # The SFT policy's held-out numbers, before a checkpoint replaces its weights (the checkpoint
         # restores the RNG, so a resumed run samples as an uninterrupted one): the baseline of every
         # curve, of the paired deltas and of the policy contract; the collapse guard's first passing
-        # point unless a killed attempt saved one.
+        # point on a fresh start.
         self.gold_fn = None
         if "gold_reward_model_dir" in inputs:
             gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
                                      precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
             self.gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
         self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
-        self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist)
-        self.collapse_guard.start(trainer)
+        self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist, contract)
+
+    def start_fresh(self) -> None:
+        self.collapse_guard.start(self.trainer)
 
     def state(self) -> dict:
-        return self.trainer.state()
+        # The guard's passing points stay for the kept checkpoints and the one being written (which may fail).
+        return {**self.trainer.state(), "collapse_guard": self.collapse_guard.state_dict(self.keep_checkpoints + 1)}
 
     def load_state(self, state: dict) -> None:
         self.trainer.load_state(state)
+        self.collapse_guard.load_state_dict(state["collapse_guard"])
 
     def step(self, number: int) -> dict[str, float]:
         ppo, trainer = self.ppo, self.trainer
@@ -275,7 +280,7 @@ class PPOTraining(lifecycle.TrainingStage):
         # numbers describe as well as the registered one.
         final_policy = self.publish_final_policy() if guard.state.passing_iteration != final_iteration else None
         if guard.state.passing_iteration != final_iteration:
-            roll_back(trainer, latest(guard.directory))
+            trainer.roll_back_to(guard.passing_folder())
         policy = trained_model(trainer.actor) if trainer.dist.is_main else None
 
         def save(out: Path) -> None:
@@ -306,4 +311,5 @@ class PPOTraining(lifecycle.TrainingStage):
 
 
 def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
-    return lifecycle.run(PPOTraining(cfg, tracker, inputs, dist), cfg, tracker, inputs, dist)
+    stage = PPOTraining(cfg, tracker, inputs, dist, contract=registry.contract_check())
+    return lifecycle.run(stage, cfg, tracker, inputs, dist)

@@ -14,9 +14,12 @@ import math
 import random
 import time
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from stages import checkpoint
 from stages.config import ConfigError, PPOConfig
 from stages.dist import Dist
 from stages.nonfinite import NonFiniteGuard
@@ -316,6 +319,45 @@ class PPOTrainer:
             torch.set_rng_state(state["torch_rng"])
         self.moments.load_state_dict(state["moments"])
 
+
+    # -- checkpoints: this trainer's engines, its rollback, its learning rate -----------------
+    def checkpointed_engines(self) -> dict:
+        """The engines a checkpoint of this trainer holds: the critic, if the advantage estimator
+        has one, and the actor unless frozen (critic pre-training)."""
+        engines = {"critic": self.critic} if self.critic is not None else {}
+        if self.train_actor:
+            engines["actor"] = self.actor
+        return engines
+
+    def save_checkpoint(self, directory: Path, keep: int | None = 2) -> Path:
+        """Checkpoint `iter-<iteration>`: engines, running moments, prompt cursor, RNG states and
+        non-finite guard; keep the newest `keep` (None: every one)."""
+        return checkpoint.save(directory, self.iteration, self.checkpointed_engines(),
+                               checkpoint.stage_state(self.iteration, self.guard, self.state()), self.dist,
+                               keep=keep, unit="iter")
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Continue from a checkpoint folder of `save_checkpoint` (or of the lifecycle)."""
+        state = checkpoint.load(folder, self.checkpointed_engines(), self.dist)
+        self.load_state(state)
+        self.guard.load_state_dict(state["guard"])
+
+    def roll_back_to(self, folder: Path) -> None:
+        """Restore the models, optimisers, schedulers and running score statistics of a checkpoint,
+        but not its progress: iteration, episode, prompt cursor and RNG go on where they are (the
+        collapse guard's rollback trains on fresh prompts, and the curves keep one step per iteration run)."""
+        checkpoint.load_engines(folder, self.checkpointed_engines(), self.dist)
+        self.moments.load_state_dict(checkpoint.read_state(folder)["moments"])
+
+    def set_actor_lr(self, base_lr: float) -> None:
+        """The actor's lr schedule with peak `base_lr`, at the point of the schedule it has reached. The
+        scheduler state just restored holds the base lr of the checkpoint, which an earlier rollback may
+        have cut already: the new one replaces it rather than scaling it."""
+        scheduler = self.actor.lr_scheduler
+        for group, lr, restored_base in zip(self.actor.optimizer.param_groups, scheduler.get_last_lr(),
+                                            scheduler.base_lrs):
+            group["lr"] = lr * base_lr / restored_base
+        scheduler.base_lrs = [base_lr] * len(scheduler.base_lrs)
 
 def check_algorithms(ppo: PPOConfig) -> None:
     """`ppo.advantage_estimator` and `ppo.policy_loss` are registered, and the group size fits the
