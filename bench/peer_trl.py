@@ -145,7 +145,8 @@ def our_trainer(spec: dict):
     torch.set_num_threads(spec["threads"])
     from stages.config import PipelineConfig
     from stages.launch import Dist
-    from stages.ppo.stage import initial_moments, load_models
+    from stages.model_loading import load_models
+    from stages.ppo.stage import initial_moments
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

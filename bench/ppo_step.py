@@ -42,7 +42,8 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     from stages.config import PipelineConfig
     from stages.data import encode_example
     from stages.launch import Dist
-    from stages.ppo.stage import encode_prompts, initial_moments, load_models
+    from stages.model_loading import load_models
+    from stages.ppo.stage import encode_prompts, initial_moments
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

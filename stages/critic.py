@@ -16,7 +16,8 @@ from stages.checkpoint import trainer_engines
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
-from stages.ppo.stage import encode_prompts, initial_moments, load_models
+from stages.model_loading import load_models
+from stages.ppo.stage import encode_prompts, initial_moments
 from stages.ppo.advantages import needs_critic
 from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
 from stages.reward.model import save_reward_model

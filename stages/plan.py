@@ -202,8 +202,10 @@ def stage_sharding(cfg: PipelineConfig, stage: str) -> Sharding:
     def offloaded(key: str) -> bool:
         return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
 
+    # The launch switches write these keys into the ranks' config (stages.launch.resolve_deepspeed_config).
     return Sharding(world_size=launch.world_size, zero=int(zero.get("stage", 0)),
-                    offload_optimizer=offloaded("offload_optimizer"), offload_param=offloaded("offload_param"),
+                    offload_optimizer=offloaded("offload_optimizer") or launch.offload_optimizer,
+                    offload_param=offloaded("offload_param") or launch.offload_params,
                     sub_group_size=int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)))
 
 
@@ -441,11 +443,15 @@ def _ranks_per_host(cfg: PipelineConfig, stage: str) -> int:
 def _states_advice(stage: str, sharding: Sharding) -> str:
     if sharding.zero is None or sharding.world_size == 1:
         return (f"run it on more ranks with ZeRO ({stage}.launch.world_size=N, {stage}.launch.deepspeed=zero3)"
-                if sharding.zero != 3 else f"raise {stage}.launch.world_size or offload (offload_optimizer in "
-                                           f"the DeepSpeed config)")
+                if sharding.zero != 3 else f"raise {stage}.launch.world_size or set "
+                                           f"{stage}.launch.offload_optimizer=true")
     if sharding.zero < 3:
         return f"set {stage}.launch.deepspeed=zero3 (ZeRO-3 partitions weights too) or raise {stage}.launch.world_size"
-    return f"raise {stage}.launch.world_size or offload the optimizer (offload_optimizer in the DeepSpeed config)"
+    if not sharding.offload_optimizer:
+        return f"raise {stage}.launch.world_size or set {stage}.launch.offload_optimizer=true"
+    if not sharding.offload_param:
+        return f"raise {stage}.launch.world_size or set {stage}.launch.offload_params=true"
+    return f"raise {stage}.launch.world_size"
 
 
 def reward_batch_tokens(r) -> int:
@@ -472,7 +478,8 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
     from stages.models import FAST_PATHS  # deferred: as torch above
 
     fast_path = cfg.model.fast_path == "auto" and arch.model_type in FAST_PATHS
-    explicit_attention = fast_path and device == "cpu" and resolved == "bf16"  # `llama.attention` with gradients
+    # `llama.attention` with gradients; a checkpointed model trains through transformers' forward (llama.forward_applies)
+    explicit_attention = fast_path and device == "cpu" and resolved == "bf16" and not cfg.model.gradient_checkpointing
     psi, largest = arch.params(), arch.largest_module_params()
     rm_psi = psi + arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
 
@@ -489,17 +496,18 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
 
     skipped = registry.get(stage).skipped(cfg)
     advice = {"states": _states_advice(stage, sharding)}
+    checkpointed = cfg.model.gradient_checkpointing  # every trained model's activations
+    recompute = "" if checkpointed else "set model.gradient_checkpointing=true or "
     if stage == "sft":
         s = cfg.sft
         tokens = s.micro_batch_size * s.max_seq_len
         actor = states("actor", psi, True)
         without_fp32_gradients(actor, s.grad_accum_steps)
-        actor.activations = activation_bytes(arch, tokens, element, s.gradient_checkpointing)
+        actor.activations = activation_bytes(arch, tokens, element, checkpointed)
         actor.logits = tokens * logit_bytes_per_token(arch, element)
         roles = [actor]
-        batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if s.gradient_checkpointing else ''}"
-        advice.update(activations=("lower sft.micro_batch_size or sft.max_seq_len" if s.gradient_checkpointing
-                                   else "set sft.gradient_checkpointing=true or lower sft.micro_batch_size"),
+        batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if checkpointed else ''}"
+        advice.update(activations=f"{recompute}lower sft.micro_batch_size or sft.max_seq_len",
                       logits="lower sft.micro_batch_size or sft.max_seq_len")
     elif stage == "reward":
         r = cfg.reward
@@ -507,13 +515,13 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         rm = states("reward model", rm_psi, True)
         without_fp32_gradients(rm, 1)
         # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
-        rm.activations = activation_bytes(arch, tokens, element, False) + (
+        rm.activations = activation_bytes(arch, tokens, element, checkpointed) + (
             attention_score_bytes(arch, tokens, r.max_seq_len, element) // r.max_seq_len if explicit_attention else 0)
         rm.logits = tokens // 2 * picked_logit_bytes_per_token(arch, element)  # at most the chosen rows' positions
         roles = [rm]
-        batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
+        batch = f"{tokens} padded tokens per batch (pairs × 2 × longest){', checkpointed' if checkpointed else ''}"
         budget = "reward.token_budget" if r.dynamic_batching else "reward.fixed_pairs"
-        advice.update(activations=f"lower {budget} or reward.max_seq_len", logits=f"lower {budget}")
+        advice.update(activations=f"{recompute}lower {budget} or reward.max_seq_len", logits=f"lower {budget}")
     elif stage in ("critic", "ppo"):
         p = cfg.ppo
         rollout_rows = cfg.critic.rollout_batch_size if stage == "critic" else p.rollout_batch_size
@@ -544,19 +552,21 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         # before the first backward (stages/ppo/trainer.py `optimise`).
         scores = attention_score_bytes(arch, mb, length, element) if explicit_attention else 0
         if critic is not None:
-            critic.activations = activation_bytes(arch, mb * length, element, False) + scores
+            critic.activations = activation_bytes(arch, mb * length, element, checkpointed) + scores
         if train_actor:
-            actor.activations = activation_bytes(arch, mb * length, element, False) + scores
+            actor.activations = activation_bytes(arch, mb * length, element, checkpointed) + scores
             actor.logits = mb * new * picked_logit_bytes_per_token(arch, element)
             if p.switches()["ptx"]:
                 ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
-                actor.activations += activation_bytes(arch, ptx_tokens, element, False)
+                actor.activations += activation_bytes(arch, ptx_tokens, element, checkpointed)
                 actor.logits += ptx_tokens * logit_bytes_per_token(arch, element)
         batch = (f"rollout {rollout_rows} × ({prompt} + {new}) tokens, minibatch {mb}"
-                 + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else ""))
+                 + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else "")
+                 + (", checkpointed" if checkpointed else ""))
         section = "critic" if stage == "critic" else "ppo"
         advice.update(rollout=f"lower {section}.rollout_batch_size or ppo.generation.max_new_tokens",
-                      activations=f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""),
+                      activations=f"{recompute}lower {section}.minibatch_size"
+                                  + (" or ppo.ptx_batch_size" if train_actor else ""),
                       logits=f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""))
     else:
         raise ValueError(f"no memory plan for stage '{stage}'; planned: {', '.join(TRAINING_STAGES)}")
@@ -645,6 +655,82 @@ def device_memory(device: str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# The memory switches, cheapest first (what each costs a step): recomputing activations (one more
+# forward per backward), ZeRO-3 (gathering every layer's weights, forward and backward), the
+# optimiser on the host (its step and the gradient and weight copies over PCIe), the parameters on
+# the host too (every layer's weights over PCIe, each forward and backward).
+MEMORY_SWITCHES = (("model.gradient_checkpointing=true",), ("{stage}.launch.deepspeed=zero3",),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3"),
+                   ("{stage}.launch.offload_optimizer=true",),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.offload_optimizer=true"),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true"),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true", "{stage}.launch.offload_params=true"))
+
+
+def with_switches(cfg: PipelineConfig, switches: list[str]) -> PipelineConfig:
+    """`cfg` with `--set` lines of MEMORY_SWITCHES applied (offload runs on DeepSpeed: zero2 unless set)."""
+    values = cfg.model_dump(mode="json")
+    for line in switches:
+        path, value = line.split("=", 1)
+        *sections, key = path.split(".")
+        section = values
+        for name in sections:
+            section = section[name]
+        section[key] = {"true": True}.get(value, value)
+        if key.startswith("offload") and section.get("deepspeed") is None:
+            section["deepspeed"] = "zero2"
+    return PipelineConfig.model_validate(values)
+
+
+def cheapest_fit(cfg: PipelineConfig, stage: str, arch: Architecture, device: str, available: int) -> list[str] | None:
+    """The first switches of MEMORY_SWITCHES (cheapest first) under which `stage` fits `available`
+    bytes per device (per host on a CPU); [] when it fits as it is, None when none does."""
+    for switches in ((), *MEMORY_SWITCHES):
+        lines = [s.format(stage=stage) for s in switches]
+        sp = plan_stage(with_switches(cfg, lines), stage, arch, device)
+        if (sp.host_peak if sp.device == "cpu" else sp.peak) <= available:
+            return lines
+    return None
+
+
+def remedies(predicted: Plan, cfg: PipelineConfig) -> list[str]:
+    """Per stage that does not fit: the cheapest switches that make it fit (`cheapest_fit`)."""
+    lines = []
+    for sp, used, available in predicted.verdicts():
+        if used > available:
+            found = cheapest_fit(cfg, sp.stage, predicted.arch, sp.device, available)
+            lines.append(f"{sp.stage}: " + (" ".join(f"--set {s}" for s in found) if found is not None
+                                            else "no memory switch makes it fit: more ranks"))
+    return lines
+
+
+FIT_ARCHITECTURES = ("llama-2-7b", "llama-3-8b", "llama-2-13b", "llama-3-70b")
+FIT_WORLD_SIZES = (1, 8, 16)
+
+
+def fit_table(cfg: PipelineConfig, memory_gib: float = 80.0) -> str:
+    """The markdown table of docs/guide/memory.md: for each architecture and world size (every
+    training stage on that many GPUs of `memory_gib`, DeepSpeed ZeRO-2 as it starts), the cheapest
+    switches (`cheapest_fit`) each stage needs. `rlhf plan --fit-table` prints it."""
+    available = int(memory_gib * GiB)
+    head = ["model"] + [f"{n} × {memory_gib:g} GB" for n in FIT_WORLD_SIZES]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in FIT_ARCHITECTURES:
+        arch = read_architecture(cfg.model, name)
+        cells = []
+        for ranks in FIT_WORLD_SIZES:
+            launch = [f"{stage}.launch.{key}={value}" for stage in TRAINING_STAGES
+                      for key, value in (("world_size", ranks), ("deepspeed", "zero2"))]
+            ranked = with_switches(cfg, launch)
+            needs = {stage: cheapest_fit(ranked, stage, arch, "cuda", available) for stage in TRAINING_STAGES}
+            cells.append("; ".join(f"{stage}: " + ("does not fit" if found is None else ", ".join(
+                s.split(".")[-1].removesuffix("=true") for s in found) or "fits") for stage, found in needs.items()))
+        rows.append(f"| {name} ({arch.params() / 1e9:.1f} B) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def plan(cfg: PipelineConfig, *, stages: list[str] | None = None, architecture: str | None = None,

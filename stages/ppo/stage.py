@@ -12,16 +12,16 @@ import torch
 
 from stages import lifecycle, loading, mlflow_models, precision, stats, tracking
 from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trainer_engines
-from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
+from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
+from stages.model_loading import frozen_reward_model, load_models
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
-from stages.ppo.external_scores import RewardServerUnavailable, text_scores
-from stages.ppo.experience import reward_model_scores, rule_scores
-from stages.ppo.reward_shaping import RunningMoments, ScoreMode
+from stages.ppo.external_scores import RewardServerUnavailable
+from stages.ppo.experience import reward_model_scores
+from stages.ppo.reward_shaping import RunningMoments
 from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
-from stages.reward.model import load_reward_model
 from stages.tensors import masked_mean
 from stages.training import trained_model
 
@@ -47,49 +47,6 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_len: int) -> list[lis
     """Prompt token ids, the oldest turns cut when longer than max_prompt_len."""
     return [tokenizer(render_prompt(tokenizer, r["messages"]), add_special_tokens=False)["input_ids"][-max_prompt_len:]
             for r in rows]
-
-
-def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool = True):
-    """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode. The
-    critic is None when the advantage estimator needs none (the reward model still gives the scores,
-    or with a rule reward the initial score statistics). Models to train load in fp32 (their engine
-    keeps those as master weights under bf16), frozen ones in the run's precision; train_actor=False:
-    the actor is frozen too (critic pre-training)."""
-    sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
-    tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-    frozen = precision.dtype(precision.resolve(cfg.model.precision, dist.device))  # trained ones: fp32 (make_engine)
-    actor = loading.load_model(sft_dir, cfg.model, None if train_actor else frozen).to(dist.device)
-    loading.align_pad_token(actor, tokenizer)
-    reference = loading.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
-    reward_model = load_reward_model(rm_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
-    critic = None
-    if needs_critic(cfg.ppo):
-        critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
-        if "critic_model_dir" not in inputs:  # a pre-trained critic is on this scale already
-            values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
-    if cfg.ppo.reward == "rm":
-        score_fn = reward_model_scores(reward_model)
-    elif is_text_reward_source(cfg.ppo.reward):
-        score_fn = text_scores(cfg.ppo, tokenizer, dist)
-    else:
-        score_fn = rule_scores(tokenizer, cfg.ppo.reward)
-    return tokenizer, actor, reference, reward_model, critic, score_fn
-
-
-@torch.no_grad()
-def values_on_the_shaped_scale(critic, moments: RunningMoments, mode: ScoreMode) -> None:
-    """The critic starts as the reward model (§5.3.3), but it predicts rewards that carry the RM's
-    scores reparameterised (§5.3.1): fold that affine map, on the statistics PPO starts from, into
-    its scalar head, so its first values are on the rewards' scale. Left as the RM's, the values
-    sit μ/σ off their targets, and with Adam's per-parameter steps of about lr the head's bias
-    cannot move that far: the rest of the network has to carry the offset."""
-    if mode == "none":
-        return
-    head = critic.score_head
-    head.weight.div_(moments.std)
-    if mode == "normalise":
-        head.bias.sub_(moments.mean)
-    head.bias.div_(moments.std)
 
 
 def initial_moments(reward_model, critic=None) -> RunningMoments:
@@ -232,9 +189,8 @@ class PPOTraining(lifecycle.TrainingStage):
         # point unless a killed attempt saved one.
         self.gold_fn = None
         if "gold_reward_model_dir" in inputs:
-            gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
-                                     precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
-            self.gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
+            self.gold_fn = reward_model_scores(frozen_reward_model(inputs["gold_reward_model_dir"], cfg.model,
+                                                                   dist.device))
         self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
         self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist)
         self.collapse_guard.start(trainer)

@@ -17,10 +17,11 @@ from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
+from stages.model_loading import trained_reward_model
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
-from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.reward.model import save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, collate, cosine_with_warmup, make_engine, trained_model
@@ -149,7 +150,7 @@ class RewardTraining(lifecycle.TrainingStage):
         torch.manual_seed(rm.seed)
         splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
         self.tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-        model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
+        model = trained_reward_model(sft_dir, cfg.model, dist.device)
         loading.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -169,7 +170,7 @@ class RewardTraining(lifecycle.TrainingStage):
             self.total = min(self.total, rm.max_steps)
         self.checkpoint_every, self.log_every = rm.checkpoint_every, rm.log_every
 
-        optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
+        optimizer = adamw(model, dist, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
         self.scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * self.total), self.total)
         self.engine = make_engine(model, optimizer, self.scheduler,
                                   micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
