@@ -16,7 +16,7 @@ from stages.checkpoint import trainer_engines
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.launch import Dist
-from stages.model_loading import load_models
+from stages.model_loading import load_models, save_adapter
 from stages.ppo.stage import encode_prompts, initial_moments
 from stages.ppo.advantages import needs_critic
 from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
@@ -127,6 +127,7 @@ class CriticTraining(lifecycle.TrainingStage):
             save_reward_model(critic_model, self.tokenizer, out, {
                 "role": "critic", "value_loss": metrics["loss/value_avg"],
                 "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()})
+            save_adapter(critic_model, out)
 
         return lifecycle.Finish(
             metrics={"critic/final_value_loss": metrics["loss/value_avg"],

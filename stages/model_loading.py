@@ -55,8 +55,10 @@ def add_lora(model, model_cfg: ModelConfig) -> None:
 
     lora = model_cfg.lora
     lm = model.lm if isinstance(model, RewardModel) else model
-    inject_adapter_in_model(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                       target_modules=lora.target_modules), lm)
+    settings = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=lora.target_modules)
+    inject_adapter_in_model(settings, lm)
+    lm.lora_settings = settings  # saved with the adapter (`save_adapter`)
     set_fast_path(lm, "off")
 
 
@@ -111,11 +113,34 @@ def merge_adapters(model) -> None:
     transformers model again (what is saved and registered). A model without adapters is left as it is."""
     if not any(type(m).__module__.startswith("peft.") for m in model.modules()):
         return  # peft is not imported for a run without LoRA
+    lm = model.lm if isinstance(model, RewardModel) else model
+    # The adapter as peft saves one (PeftModel.from_pretrained loads it onto the base model), kept for `save_adapter`.
+    lm.lora_adapter = {"base_model.model." + name.replace(".default.", "."): p.detach().cpu().clone()
+                       for name, p in lm.named_parameters() if "lora_" in name}
     layers = set(lora_layers(model))
     for name, layer in [(n, m) for n, m in model.named_modules() if m in layers]:
         layer.merge()
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer.get_base_layer())
+
+
+LORA_ADAPTER_DIR = "lora_adapter"
+
+
+def save_adapter(model, folder: Path) -> None:
+    """The LoRA adapter a merged model was trained with (`merge_adapters`), in peft's format, into
+    `folder`/lora_adapter: it travels inside the registered model's folder, beside the merged
+    weights. Nothing for a model trained without LoRA."""
+    lm = model.lm if isinstance(model, RewardModel) else model
+    adapter = getattr(lm, "lora_adapter", None)
+    if adapter is None:
+        return
+    from safetensors.torch import save_file  # deferred: only for a LoRA model
+
+    out = Path(folder) / LORA_ADAPTER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    lm.lora_settings.save_pretrained(str(out))
+    save_file(adapter, str(out / "adapter_model.safetensors"))
 
 
 def trainable(model, model_cfg: ModelConfig, device: str):

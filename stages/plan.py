@@ -86,6 +86,16 @@ class Architecture:
         attention = h * self.num_attention_heads * self.head_size * 2 + 2 * h * self.kv_size  # q, o; k, v
         return attention + 3 * h * i + 2 * h  # gate, up, down; two RMSNorm weights
 
+    def lora_params(self, rank: int, targets: str | list[str]) -> int:
+        """Parameters of LoRA adapters of `rank` (A: r × in, B: out × r) on the decoder layers' linear
+        layers named in `targets` (`all-linear`: all seven; the LM head never gets one)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_attention_heads * self.head_size, self.kv_size
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = shapes if targets == "all-linear" else [t for t in ([targets] if isinstance(targets, str) else targets)
+                                                        if t in shapes]
+        return self.num_hidden_layers * sum(rank * sum(shapes[name]) for name in names)
+
     def params(self) -> int:
         """Parameters of the causal LM (Ψ): embeddings, layers, final norm, LM head unless tied."""
         embeddings = self.vocab_size * self.hidden_size
@@ -483,14 +493,25 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
     psi, largest = arch.params(), arch.largest_module_params()
     rm_psi = psi + arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
 
+    lora = cfg.model.lora
+    adapters = arch.lora_params(lora.rank, lora.target_modules) if lora.rank else 0
+
     def states(name: str, params: int, trained: bool) -> Role:
-        return model_states(Role(name, trained, params), resolved, sharding, largest)
+        """A role's model states; a trained one with LoRA: its weights frozen (ZeRO-3 partitions them
+        with the engine's), its adapters (and a scalar head) the trained part."""
+        if not (trained and adapters):
+            return model_states(Role(name, trained, params), resolved, sharding, largest)
+        trained_part = model_states(Role(name, True, adapters + params - psi), resolved, sharding, 0)
+        frozen = model_states(Role(name, False, params), resolved, sharding, largest).weights
+        if sharding.zero == 3:  # partitioned, one module gathered at a time
+            frozen = frozen // sharding.world_size + 2 * largest
+        return replace(trained_part, params=params, weights=trained_part.weights + frozen)
 
     def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
         from stages.training import steps_from_bf16  # deferred: as torch above
 
-        if role is not None and role.trained and sharding.zero is None and steps_from_bf16(device, resolved,
+        if role is not None and role.trained and not adapters and sharding.zero is None and steps_from_bf16(device, resolved,
                                                                                             grad_accum_steps):
             role.grads = 2 * role.params
 
@@ -533,8 +554,8 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
 
         actor = states("actor" if train_actor else "actor (frozen)", psi, train_actor)
         roles = [actor]
-        if train_actor:  # the critic stage's frozen policy is its own reference (stages/critic.py)
-            roles.append(states("reference", psi, False))
+        if train_actor and not adapters:  # critic pre-training's frozen policy is its own reference (stages/critic.py);
+            roles.append(states("reference", psi, False))  # a LoRA actor's is itself without adapters
         roles.append(states("reward model", rm_psi, False))
         critic = states("critic", rm_psi, True) if needs_critic(p) else None
         without_fp32_gradients(actor, 1)  # PPO's engines: one backward a step (stages/ppo/trainer.py)
@@ -668,6 +689,11 @@ MEMORY_SWITCHES = (("model.gradient_checkpointing=true",), ("{stage}.launch.deep
                    ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
                     "{stage}.launch.offload_optimizer=true"),
                    ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true", "{stage}.launch.offload_params=true"),
+                   # LoRA last: it trains another model (adapters of rank 16, OpenRLHF's LoRA examples), not the same one
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16"),
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16", "{stage}.launch.deepspeed=zero3"),
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16", "{stage}.launch.deepspeed=zero3",
                     "{stage}.launch.offload_optimizer=true", "{stage}.launch.offload_params=true"))
 
 
@@ -680,7 +706,7 @@ def with_switches(cfg: PipelineConfig, switches: list[str]) -> PipelineConfig:
         section = values
         for name in sections:
             section = section[name]
-        section[key] = {"true": True}.get(value, value)
+        section[key] = {"true": True}.get(value, int(value) if value.isdigit() else value)
         if key.startswith("offload") and section.get("deepspeed") is None:
             section["deepspeed"] = "zero2"
     return PipelineConfig.model_validate(values)

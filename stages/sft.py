@@ -15,7 +15,7 @@ from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
-from stages.model_loading import frozen_dtype, trained_lm
+from stages.model_loading import frozen_dtype, save_adapter, trained_lm
 from stages.losses import shifted_nll
 from stages.nonfinite import NonFiniteGuard
 from stages.training import adamw, collate, cosine_with_warmup, generation_probe, make_engine, trained_model
@@ -189,6 +189,7 @@ class SFTTraining(lifecycle.TrainingStage):
             model.config.use_cache = True
             model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
+            save_adapter(model, out)
 
         def held_out_probe(out: Path) -> None:  # for the SFT contract, on the saved weights (whatever engine trained them)
             started = time.perf_counter()

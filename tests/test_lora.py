@@ -108,3 +108,21 @@ def test_the_saved_lora_model_is_a_plain_transformers_model(tiny, tmp_path):
     with torch.no_grad():
         logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_the_adapter_is_saved_beside_the_merged_model_in_peft_format(tiny, tmp_path):
+    """`save_adapter` writes the adapter a merged model was trained with, which peft loads onto the
+    base model to give the merged model's outputs."""
+    from peft import PeftModel
+
+    cfg = load_config("tiny", list(LORA))
+    batch = batch_of(tiny)
+    model = model_loading.trained_lm(tiny[0], cfg.model, "cpu")
+    merged = trained_model(one_step(model, lambda m: response_nll(m, batch)[0], lr=5e-2)).eval()
+    model_loading.save_adapter(merged, tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(tmp_path / model_loading.LORA_ADAPTER_DIR)).eval()
+    with torch.no_grad():
+        expected = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = adapted(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -345,3 +345,18 @@ def test_plan_names_the_cheapest_switches_that_make_a_stage_fit():
     assert plan.cheapest_fit(cfg, "sft", arch, "cuda", available) == ["sft.launch.offload_optimizer=true"]
     offloaded = plan.plan_stage(plan.with_switches(cfg, ["sft.launch.offload_optimizer=true"]), "sft", arch, "cuda")
     assert offloaded.roles[0].optimizer == 0 and offloaded.roles[0].offloaded > 0
+
+
+def test_lora_plans_the_adapters_as_the_trained_part_and_no_reference():
+    """A LoRA actor: its weights frozen (2 bytes a parameter in bf16), the adapters' masters,
+    gradients and moments the trained part; PPO's reference is the actor without its adapters."""
+    arch = plan.read_architecture(load_config("demo").model, "llama-2-7b")
+    adapters = arch.lora_params(16, "all-linear")
+    assert adapters == 32 * 16 * (9 * 4096 + 2 * 4096 + 3 * 11008)  # layers × r × Σ (in + out) of q k v o gate up down
+    full, lora = (plan.plan_stage(load_config("demo", ["ppo.launch.deepspeed=zero2", *extra]), "ppo", arch, "cuda")
+                  for extra in ([], ["model.lora.rank=16"]))
+    assert [r.name for r in full.roles] == ["actor", "reference", "reward model", "critic"]
+    assert [r.name for r in lora.roles] == ["actor", "reward model", "critic"]
+    actor = lora.roles[0]
+    assert actor.weights == 2 * arch.params() + 2 * adapters and actor.optimizer == 8 * adapters
+    assert lora.peak < full.peak

@@ -15,7 +15,7 @@ from stages.checkpoint import latest, load_rng_state, rng_state, roll_back, trai
 from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import encode_example, read_jsonl, render_prompt
 from stages.launch import Dist
-from stages.model_loading import frozen_reward_model, load_models
+from stages.model_loading import frozen_reward_model, load_models, save_adapter
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard
 from stages.ppo.external_scores import RewardServerUnavailable
@@ -239,6 +239,7 @@ class PPOTraining(lifecycle.TrainingStage):
             policy.config.use_cache = True
             policy.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
+            save_adapter(policy, out)
 
         lineage = {"rlhf.ppo_preset": ppo.preset, "rlhf.advantage_estimator": ppo.advantage_estimator, **guard.tags()}
         if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held

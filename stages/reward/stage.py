@@ -17,7 +17,7 @@ from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, count_cut, encode_example, read_jsonl
 from stages.launch import Dist
-from stages.model_loading import trained_reward_model
+from stages.model_loading import save_adapter, trained_reward_model
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.reward.batching import PairBatchSampler
@@ -234,10 +234,14 @@ class RewardTraining(lifecycle.TrainingStage):
             tracker.log_table(worst_pairs(self.heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
                               "eval/worst_pairs.json")
 
+        def save(out: Path) -> None:
+            model = trained_model(engine)
+            save_reward_model(model, self.tokenizer, out, {"heldout_pairs": len(heldout),
+                                                           "heldout_accuracy": metrics["eval/accuracy"]})
+            save_adapter(model, out)
+
         return lifecycle.Finish(
-            metrics, "reward_probe", probe=lambda: scores.probe(self.heldout_rows),
-            save=lambda out: save_reward_model(trained_model(engine), self.tokenizer, out, {
-                "heldout_pairs": len(heldout), "heldout_accuracy": metrics["eval/accuracy"]}),
+            metrics, "reward_probe", probe=lambda: scores.probe(self.heldout_rows), save=save,
             pack=scorer_pack(self.cfg, self.dist),
             lineage={"rlhf.heldout_accuracy": f"{metrics['eval/accuracy']:.4f}",
                      "rlhf.score_mean": f"{metrics['eval/score_mean']:.6g}",
