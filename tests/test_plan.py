@@ -360,3 +360,12 @@ def test_lora_plans_the_adapters_as_the_trained_part_and_no_reference():
     actor = lora.roles[0]
     assert actor.weights == 2 * arch.params() + 2 * adapters and actor.optimizer == 8 * adapters
     assert lora.peak < full.peak
+
+
+def test_rlhf_plan_prints_the_cheapest_switches_when_a_stage_does_not_fit(capsys):
+    from flows import cli
+
+    code = cli.main(["plan", "--preset", "demo", "--architecture", "llama-3-8b", "--world-size", "1", "--deepspeed",
+                     "zero2", "--device", "cuda", "--device-memory", "80", "--stages", "sft"])
+    printed = capsys.readouterr().out
+    assert code == 1 and "the cheapest switches that make each stage fit:\n  sft: --set sft.launch.offload_optimizer=true" in printed
