@@ -505,6 +505,8 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
         frozen = model_states(Role(name, False, params), resolved, sharding, largest).weights
         if sharding.zero == 3:  # partitioned, one module gathered at a time
             frozen = frozen // sharding.world_size + 2 * largest
+        elif sharding.zero is None and resolved == "bf16":  # PlainEngine keeps the fp32 originals to save
+            frozen += 4 * params
         return replace(trained_part, params=params, weights=trained_part.weights + frozen)
 
     def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:

@@ -126,3 +126,23 @@ def test_the_adapter_is_saved_beside_the_merged_model_in_peft_format(tiny, tmp_p
         expected = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logits = adapted(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_pipeline_registers_plain_transformers_models(prefect_server, tmp_path):
+    """The tiny pipeline with LoRA on every trained model: the registered policy loads through
+    mlflow.transformers as a plain transformers model (adapters merged), its adapter inside it."""
+    import mlflow.transformers
+
+    from flows.rlhf import rlhf
+    from stages import tracking
+
+    rlhf(preset="tiny", overrides={"model.lora.rank": 4, "sft.lr": 1e-3, "reward.lr": 1e-3, "sft.max_steps": 8,
+                                   "reward.max_steps": 8, "critic.max_steps": 4, "ppo.iterations": 2})
+    client = tracking.client()
+    version = max(int(v.version) for v in client.search_model_versions("name='rlhf-tiny-policy'"))
+    pipeline = mlflow.transformers.load_model(f"models:/rlhf-tiny-policy/{version}")
+    assert type(pipeline.model).__name__ == "LlamaForCausalLM"
+    assert not any(type(m).__module__.startswith("peft.") for m in pipeline.model.modules())
+    folder = tracking.download(f"models:/rlhf-tiny-policy/{version}", tmp_path)
+    assert list(folder.rglob(f"{model_loading.LORA_ADAPTER_DIR}/adapter_model.safetensors"))
