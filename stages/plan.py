@@ -464,6 +464,20 @@ def _states_advice(stage: str, sharding: Sharding) -> str:
     return f"raise {stage}.launch.world_size"
 
 
+def lora_model_states(name: str, params: int, trained: int, precision: str, sharding: Sharding,
+                      largest_module: int) -> Role:
+    """A trained role with LoRA: its `params` weights frozen (ZeRO-3 partitions them with the
+    engine's; the plain engine keeps their fp32 originals, to save, beside the bf16 copies), its
+    `trained` parameters (the adapters, and a scalar head) with masters, gradients and moments."""
+    trained_part = model_states(Role(name, True, trained), precision, sharding, 0)
+    frozen = model_states(Role(name, False, params), precision, sharding, largest_module).weights
+    if sharding.zero == 3:  # partitioned, one module gathered at a time
+        frozen = frozen // sharding.world_size + 2 * largest_module
+    elif sharding.zero is None and precision == "bf16":
+        frozen += 4 * params
+    return replace(trained_part, params=params, weights=trained_part.weights + frozen)
+
+
 def reward_batch_tokens(r) -> int:
     """Padded tokens of the reward stage's largest batch: pairs × 2 × the longest sequence. Dynamic
     batches stay within the token budget unless min_pairs forces more (stages/reward/batching.py)."""
@@ -497,17 +511,9 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
     adapters = arch.lora_params(lora.rank, lora.target_modules) if lora.rank else 0
 
     def states(name: str, params: int, trained: bool) -> Role:
-        """A role's model states; a trained one with LoRA: its weights frozen (ZeRO-3 partitions them
-        with the engine's), its adapters (and a scalar head) the trained part."""
-        if not (trained and adapters):
-            return model_states(Role(name, trained, params), resolved, sharding, largest)
-        trained_part = model_states(Role(name, True, adapters + params - psi), resolved, sharding, 0)
-        frozen = model_states(Role(name, False, params), resolved, sharding, largest).weights
-        if sharding.zero == 3:  # partitioned, one module gathered at a time
-            frozen = frozen // sharding.world_size + 2 * largest
-        elif sharding.zero is None and resolved == "bf16":  # PlainEngine keeps the fp32 originals to save
-            frozen += 4 * params
-        return replace(trained_part, params=params, weights=trained_part.weights + frozen)
+        if trained and adapters:
+            return lora_model_states(name, params, adapters + params - psi, resolved, sharding, largest)
+        return model_states(Role(name, trained, params), resolved, sharding, largest)
 
     def without_fp32_gradients(role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
