@@ -145,8 +145,8 @@ def our_trainer(spec: dict):
     torch.set_num_threads(spec["threads"])
     from stages.config import PipelineConfig
     from stages.dist import Dist
+    from stages.model_loading import load_models
     from stages.ppo.setup import initial_moments
-    from stages.ppo.stage import load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

@@ -92,17 +92,15 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     gc.collect()
     baseline = rss_bytes()
     started = time.perf_counter()
+    from stages.model_loading import trained_lm
     from stages.training import adamw, cosine_with_warmup, make_engine
 
     if stage == "sft":
         from stages.sft import accumulate_step
 
         s = cfg.sft
-        model = loading.load_model(folder, cfg.model)
+        model = trained_lm(folder, cfg.model, dist.device)
         loading.align_pad_token(model, tokenizer)
-        if s.gradient_checkpointing:
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-        model.config.use_cache = False
         optimizer = adamw(model, lr=s.lr, betas=s.adam_betas, weight_decay=s.weight_decay)
         engine = make_engine(model, optimizer, cosine_with_warmup(optimizer, 0, steps), micro_batch_size=s.micro_batch_size,
                              grad_accum_steps=s.grad_accum_steps, max_grad_norm=s.max_grad_norm, precision=resolved,

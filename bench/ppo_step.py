@@ -42,8 +42,8 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     from stages.config import PipelineConfig
     from stages.rendering import encode_example
     from stages.dist import Dist
+    from stages.model_loading import load_models
     from stages.ppo.setup import encode_prompts, initial_moments
-    from stages.ppo.stage import load_models
     from stages.ppo.trainer import PPOTrainer
     from stages.precision import resolve
 

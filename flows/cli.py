@@ -275,12 +275,17 @@ def _plan(args: argparse.Namespace) -> int:
 
     args.preset = args.preset or "demo"
     cfg = load_config(args.preset, [*args.overrides, *_plan_overrides(args)])
+    if args.fit_table:
+        print(plan.fit_table(cfg, args.device_memory or 80.0))
+        return 0
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     predicted = plan.plan(cfg, stages=stages, architecture=args.architecture, device=args.device,
                           memory_gib=args.device_memory)
     print(predicted.table())
     verdict = predicted.check()
     print(f"\n{verdict.message}" if verdict.fits else f"\nrlhf plan: {verdict.message}")
+    if not verdict.fits:
+        print("the cheapest switches that make each stage fit:\n  " + "\n  ".join(plan.remedies(predicted, cfg)))
     return 0 if verdict.fits else 1
 
 
@@ -362,6 +367,9 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                       help="memory per device (default: the GPU's, or the host's available RAM)")
     plan.add_argument("--stages", default=None, help="comma-separated training stages (default: all)")
+    plan.add_argument("--fit-table", action="store_true",
+                      help="the fit table of docs/guide/memory.md: Llama 7B-70B on 1, 8, 16 GPUs of --device-memory "
+                           "(default 80) GiB, the cheapest memory switches each stage needs")
 
 
 def _add_study_parser(sub) -> None:

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import loading, precision, stats, tracking
+from stages import stats, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
+from stages.model_loading import frozen_lm, frozen_reward_model
 from stages.ppo.experience import reward_model_scores
 from stages.ppo.generation import generate
 from stages.ppo.setup import encode_prompts
-from stages.reward.model import load_reward_model
 
 
 def analytic_kl(n: int) -> float:
@@ -39,18 +39,15 @@ def draw(cfg: PipelineConfig, chain: dict[str, str], gold_model: str | None, dra
     """`draws` sampled answers of the SFT model to each held-out prompt: proxy score, gold score
     (NaN without a gold RM) and length in tokens, each [draws, prompts]."""
     ppo = cfg.ppo
-    dtype = precision.dtype(precision.resolve(cfg.model.precision, device))
     with tempfile.TemporaryDirectory(prefix="best-of-n-") as tmp:
         downloads = Path(tmp)
         splits_dir = tracking.download(chain["splits"], downloads)
         sft_dir = tracking.download(chain["sft_model"], downloads)
-        tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-        model = loading.load_model(sft_dir, cfg.model, dtype).to(device).eval()
-        loading.align_pad_token(model, tokenizer)
+        model, tokenizer = frozen_lm(sft_dir, cfg.model, device)
         scorers = {"proxy": tracking.download(chain["reward_model"], downloads)}
         if gold_model:
             scorers["gold"] = tracking.download(gold_model, downloads)
-        scorers = {name: reward_model_scores(load_reward_model(folder, cfg.model, dtype).to(device).eval())
+        scorers = {name: reward_model_scores(frozen_reward_model(folder, cfg.model, device))
                    for name, folder in scorers.items()}
         rows = read_jsonl(splits_dir / "eval_prompts.jsonl")[: ppo.heldout_prompts]
         prompts = encode_prompts(tokenizer, rows, ppo.max_prompt_len)

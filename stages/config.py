@@ -56,6 +56,23 @@ class RandomInit(_Section):
     seed: int = Field(0, description="Seed of the random weights.")
 
 
+class LoraSettings(_Section):
+    """LoRA adapters (Hu et al. 2021, through peft) on every model a stage trains: the SFT policy, the
+    reward model, the critic and the PPO actor train their adapters (and a scalar head) only; the
+    published models have the adapters merged in (plain transformers models)."""
+
+    rank: int = Field(0, ge=0, description="The adapters' rank r; 0: no LoRA, every weight trains. OpenRLHF: "
+                                           "--lora_rank 0 (off) by default; LoRA paper: r 1-64, 8 typical.")
+    alpha: float = Field(16.0, gt=0, description="The update's scale is alpha / rank. OpenRLHF: --lora_alpha 16; "
+                                                 "peft: 8.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input. OpenRLHF and peft: 0.")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="The linear layers that get adapters: module names, or `all-linear` (every linear layer but "
+                    "the LM head, peft's shorthand). OpenRLHF: all-linear; QLoRA (Dettmers et al. 2023 §4): "
+                    "adapters on every linear layer match full fine-tuning, on the attention alone they do not.")
+
+
 class ModelConfig(_Section):
     """The base model every stage starts from (policy, reward model and critic)."""
 
@@ -90,6 +107,20 @@ class ModelConfig(_Section):
                     "captured step); on a CPU today's eager decoder, whose attention reads only the filled part "
                     "of the cache: a static step reads every slot, and a CPU has no launch cost for a graph to "
                     "save. off: the eager decoder everywhere. ours: auto.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them, for "
+                    "every model a stage trains: the SFT policy, the reward model, the critic (pre-training and "
+                    "PPO) and the PPO actor. Keeps each layer's input only (stages/plan.py counts it), for one more "
+                    "forward per backward; the same losses and gradients (tests/test_gradient_checkpointing.py). "
+                    "OpenRLHF: --gradient_checkpointing on every trained model. ours: off, small models fit "
+                    "without it; on in the gpu preset.")
+    lora: LoraSettings = Field(
+        LoraSettings(),
+        description="LoRA on every trained model (rank 0: off). With a LoRA actor PPO's reference is the actor "
+                    "with its adapters switched off: no second copy. The stages' lr defaults are full "
+                    "fine-tuning's: LoRA wants about 10x more (LoRA paper; OpenRLHF's LoRA examples), set "
+                    "sft.lr, reward.lr, critic.lr, ppo.actor_lr and ppo.critic_lr with it.")
 
     @field_validator("fast_path", "cuda_graphs", mode="before")
     @classmethod
@@ -190,6 +221,29 @@ class LaunchConfig(_Section):
         description="Multi-node: a DeepSpeed hostfile (`<host> slots=<ranks>` lines; a path, or a name in "
                     "infra/deepspeed). Several hosts are reached over passwordless ssh (pdsh); every host needs "
                     "this checkout and the RLHF home at the same paths (shared storage).")
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep the optimiser's state (fp32 master weights and AdamW's two moments: 12 of the 16-20 bytes "
+                    "a trained parameter costs) in host memory and step it there: DeepSpeed's ZeRO-Offload "
+                    "(offload_optimizer device cpu) with its CPU Adam (DeepSpeedCPUAdam, the AdamW update). Needs "
+                    "`deepspeed` (ZeRO-1, 2 or 3). OpenRLHF: --adam_offload. ours: off; the same weights after a "
+                    "step as on the device (tests/test_offload.py), slower by the host's Adam and the copies.")
+    offload_params: bool = Field(
+        False,
+        description="Under ZeRO-3 also keep the parameters' partitions in host memory between uses (DeepSpeed's "
+                    "offload_param device cpu), fetched to the device layer by layer. Needs `deepspeed` with a ZeRO-3 "
+                    "config and offload_optimizer. DeepSpeed ZeRO-Infinity's CPU form. ours: off.")
+
+    @model_validator(mode="after")
+    def _offload_runs_on_deepspeed(self) -> LaunchConfig:
+        switches = [name for name in ("offload_optimizer", "offload_params") if getattr(self, name)]
+        if switches and self.deepspeed is None:
+            raise ValueError(f"launch.{switches[0]} is DeepSpeed's offload and this stage does not run on DeepSpeed: "
+                             f"set launch.deepspeed (zero2, or zero3 for offload_params) or launch.{switches[0]}=false")
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError("launch.offload_params needs launch.offload_optimizer too (DeepSpeed offloads the "
+                             "parameters of a ZeRO-3 engine whose optimiser steps on the host)")
+        return self
 
 
 # Descriptions of the SFT, reward, critic, PPO and generation fields name the value's source:
@@ -258,8 +312,6 @@ class SFTConfig(_PromptAnswerSection):
                                                "eval prompts. ours: cheap on a CPU.")
     probe_max_new_tokens: int = Field(64, description="New tokens per probe response. ours: enough to see EOS "
                                                       "on short HH answers.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass. ours: "
-                                                            "off, small models fit without it.")
 
 
 class RewardConfig(_PromptAnswerSection):
@@ -1068,6 +1120,7 @@ RENAMED = {
     "model.dtype": "model.precision",
     "ppo.autocast": "model.precision",
     "eval.champion_margin": "eval.champion_min_lower_bound",
+    "sft.gradient_checkpointing": "model.gradient_checkpointing",  # one switch for every trained model
 }
 
 

@@ -15,8 +15,8 @@ from stages import lifecycle, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.dist import Dist
+from stages.model_loading import load_models, save_adapter
 from stages.ppo.setup import encode_prompts, initial_moments
-from stages.ppo.stage import load_models
 from stages.ppo.advantages import needs_critic
 from stages.ppo.trainer import PPOTrainer, check_algorithms, explained_variance
 from stages.reward.model import save_reward_model
@@ -129,6 +129,7 @@ class CriticTraining(lifecycle.TrainingStage):
             save_reward_model(critic_model, self.tokenizer, out, {
                 "role": "critic", "value_loss": metrics["loss/value_avg"],
                 "explained_variance": metrics["val/explained_variance"], "running_moments": trainer.moments.state_dict()})
+            save_adapter(critic_model, out)
 
         return lifecycle.Finish(
             metrics={"critic/final_value_loss": metrics["loss/value_avg"],

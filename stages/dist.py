@@ -30,6 +30,12 @@ class Dist:
         """The ZeRO stage these ranks train under, or "none" (plain PyTorch)."""
         return (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", "none")
 
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Whether the DeepSpeed config keeps the optimiser's state on the host (ZeRO-Offload)."""
+        zero = (self.deepspeed_config or {}).get("zero_optimization", {})
+        return zero.get("offload_optimizer", {}).get("device", "none") == "cpu"
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         if not self.distributed:
             return list(values)

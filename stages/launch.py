@@ -28,9 +28,21 @@ class StageLaunchError(RuntimeError):
     """The ranks of a stage failed; the message holds the tail of their output."""
 
 
-def _resolve_deepspeed_config(name: str) -> dict:
-    # bf16 follows model.precision (`stages.training.make_engine` sets it); fp16 is not supported.
-    return json.loads(deepspeed_config_path(name).read_text())
+def resolve_deepspeed_config(stage: str, launch) -> dict:
+    """The stage's DeepSpeed config: the file `launch.deepspeed` names (default zero2), with the
+    offload switches (`launch.offload_optimizer`, `launch.offload_params`) as its own keys. bf16
+    follows model.precision (`stages.training.make_engine` sets it); fp16 is not supported."""
+    config = json.loads(deepspeed_config_path(launch.deepspeed or "zero2").read_text())
+    zero = config.setdefault("zero_optimization", {})
+    if launch.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if launch.offload_params:
+        if zero.get("stage") != 3:
+            raise ConfigError(f"{stage}.launch.offload_params offloads ZeRO-3's parameter partitions and "
+                              f"{stage}.launch.deepspeed={launch.deepspeed} is ZeRO-{zero.get('stage', 0)}: "
+                              f"set {stage}.launch.deepspeed=zero3 or {stage}.launch.offload_params=false")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return config
 
 
 def free_port() -> int:
@@ -133,6 +145,7 @@ def _run_stage(stage: str, cfg: PipelineConfig, tracker, inputs: dict, downloads
     if in_process(cfg, stage):
         return module.run(cfg, tracker, inputs, Dist(workdir=tracker.workdir))
     launch = getattr(cfg, stage).launch
+    resolve_deepspeed_config(stage, launch)  # a config error before any rank starts
     spec_path = tracker.workdir / "launch.json"
     out_path = tracker.workdir / "outputs.json"
     out_path.unlink(missing_ok=True)
@@ -193,7 +206,7 @@ def _rank_main(spec_path: str) -> None:
         # that only inference all-reduce uses; training collectives go via gloo.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    ds_config = _resolve_deepspeed_config(launch.deepspeed or "zero2")
+    ds_config = resolve_deepspeed_config(spec["stage"], launch)
     dist = Dist(rank=rank, world_size=world_size, deepspeed_config=ds_config, device=device,
                 workdir=Path(spec["workdir"]))
     tracker = None

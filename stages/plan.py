@@ -87,6 +87,16 @@ class Architecture:
         attention = h * self.num_attention_heads * self.head_size * 2 + 2 * h * self.kv_size  # q, o; k, v
         return attention + 3 * h * i + 2 * h  # gate, up, down; two RMSNorm weights
 
+    def lora_params(self, rank: int, targets: str | list[str]) -> int:
+        """Parameters of LoRA adapters of `rank` (A: r × in, B: out × r) on the decoder layers' linear
+        layers named in `targets` (`all-linear`: all seven; the LM head never gets one)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_attention_heads * self.head_size, self.kv_size
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        names = shapes if targets == "all-linear" else [t for t in ([targets] if isinstance(targets, str) else targets)
+                                                        if t in shapes]
+        return self.num_hidden_layers * sum(rank * sum(shapes[name]) for name in names)
+
     def params(self) -> int:
         """Parameters of the causal LM (Ψ): embeddings, layers, final norm, LM head unless tied."""
         embeddings = self.vocab_size * self.hidden_size
@@ -203,8 +213,10 @@ def stage_sharding(cfg: PipelineConfig, stage: str) -> Sharding:
     def offloaded(key: str) -> bool:
         return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
 
+    # The launch switches write these keys into the ranks' config (stages.launch.resolve_deepspeed_config).
     return Sharding(world_size=launch.world_size, zero=int(zero.get("stage", 0)),
-                    offload_optimizer=offloaded("offload_optimizer"), offload_param=offloaded("offload_param"),
+                    offload_optimizer=offloaded("offload_optimizer") or launch.offload_optimizer,
+                    offload_param=offloaded("offload_param") or launch.offload_params,
                     sub_group_size=int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)))
 
 
@@ -442,11 +454,29 @@ def _ranks_per_host(cfg: PipelineConfig, stage: str) -> int:
 def _states_advice(stage: str, sharding: Sharding) -> str:
     if sharding.zero is None or sharding.world_size == 1:
         return (f"run it on more ranks with ZeRO ({stage}.launch.world_size=N, {stage}.launch.deepspeed=zero3)"
-                if sharding.zero != 3 else f"raise {stage}.launch.world_size or offload (offload_optimizer in "
-                                           f"the DeepSpeed config)")
+                if sharding.zero != 3 else f"raise {stage}.launch.world_size or set "
+                                           f"{stage}.launch.offload_optimizer=true")
     if sharding.zero < 3:
         return f"set {stage}.launch.deepspeed=zero3 (ZeRO-3 partitions weights too) or raise {stage}.launch.world_size"
-    return f"raise {stage}.launch.world_size or offload the optimizer (offload_optimizer in the DeepSpeed config)"
+    if not sharding.offload_optimizer:
+        return f"raise {stage}.launch.world_size or set {stage}.launch.offload_optimizer=true"
+    if not sharding.offload_param:
+        return f"raise {stage}.launch.world_size or set {stage}.launch.offload_params=true"
+    return f"raise {stage}.launch.world_size"
+
+
+def lora_model_states(name: str, params: int, trained: int, precision: str, sharding: Sharding,
+                      largest_module: int) -> Role:
+    """A trained role with LoRA: its `params` weights frozen (ZeRO-3 partitions them with the
+    engine's; the plain engine keeps their fp32 originals, to save, beside the bf16 copies), its
+    `trained` parameters (the adapters, and a scalar head) with masters, gradients and moments."""
+    trained_part = model_states(Role(name, True, trained), precision, sharding, 0)
+    frozen = model_states(Role(name, False, params), precision, sharding, largest_module).weights
+    if sharding.zero == 3:  # partitioned, one module gathered at a time
+        frozen = frozen // sharding.world_size + 2 * largest_module
+    elif sharding.zero is None and precision == "bf16":
+        frozen += 4 * params
+    return replace(trained_part, params=params, weights=trained_part.weights + frozen)
 
 
 def reward_batch_tokens(r) -> int:
@@ -475,20 +505,41 @@ class Planning:
 
     @property
     def explicit_attention(self) -> bool:
-        return self.fast_path and self.device == "cpu" and self.resolved == "bf16"  # `llama.attention` with gradients
+        """`llama.attention` with gradients; a checkpointed model trains through transformers' forward
+        (llama.forward_applies)."""
+        return (self.fast_path and self.device == "cpu" and self.resolved == "bf16"
+                and not self.cfg.model.gradient_checkpointing)
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.cfg.model.gradient_checkpointing  # every trained model's activations
+
+    @property
+    def adapters(self) -> int:
+        """LoRA's adapter parameters (model.lora), 0 without LoRA."""
+        lora = self.cfg.model.lora
+        return self.arch.lora_params(lora.rank, lora.target_modules) if lora.rank else 0
+
+    def recompute_advice(self, lower: str) -> str:
+        return lower if self.checkpointed else f"set model.gradient_checkpointing=true or {lower}"
 
     @property
     def rm_psi(self) -> int:
         return self.arch.params() + self.arch.hidden_size + 1  # the LM and its scalar head (stages/reward/model.py)
 
     def states(self, name: str, params: int, trained: bool) -> Role:
-        return model_states(Role(name, trained, params), self.resolved, self.sharding, self.arch.largest_module_params())
+        """A model's states; a trained one under LoRA trains only its adapters (and any head)."""
+        largest = self.arch.largest_module_params()
+        if trained and self.adapters:
+            return lora_model_states(name, params, self.adapters + params - self.arch.params(), self.resolved,
+                                     self.sharding, largest)
+        return model_states(Role(name, trained, params), self.resolved, self.sharding, largest)
 
     def without_fp32_gradients(self, role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
         from stages.training import steps_from_bf16  # deferred: imports torch
 
-        if role is not None and role.trained and self.sharding.zero is None and steps_from_bf16(
+        if role is not None and role.trained and not self.adapters and self.sharding.zero is None and steps_from_bf16(
                 self.device, self.resolved, grad_accum_steps):
             role.grads = 2 * role.params
 
@@ -499,11 +550,10 @@ def sft_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
     tokens = s.micro_batch_size * s.max_seq_len
     actor = at.states("actor", arch.params(), True)
     at.without_fp32_gradients(actor, s.grad_accum_steps)
-    actor.activations = activation_bytes(arch, tokens, at.element, s.gradient_checkpointing)
+    actor.activations = activation_bytes(arch, tokens, at.element, at.checkpointed)
     actor.logits = tokens * logit_bytes_per_token(arch, at.element)
-    batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if s.gradient_checkpointing else ''}"
-    advice = {"activations": ("lower sft.micro_batch_size or sft.max_seq_len" if s.gradient_checkpointing
-                              else "set sft.gradient_checkpointing=true or lower sft.micro_batch_size"),
+    batch = f"{s.micro_batch_size} × {s.max_seq_len} tokens{', checkpointed' if at.checkpointed else ''}"
+    advice = {"activations": at.recompute_advice("lower sft.micro_batch_size or sft.max_seq_len"),
               "logits": "lower sft.micro_batch_size or sft.max_seq_len"}
     return [actor], batch, advice
 
@@ -515,12 +565,13 @@ def reward_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
     rm = at.states("reward model", at.rm_psi, True)
     at.without_fp32_gradients(rm, 1)
     # Explicit attention: Σ rows · length² ≤ padded tokens · max_seq_len.
-    rm.activations = activation_bytes(arch, tokens, at.element, False) + (
+    rm.activations = activation_bytes(arch, tokens, at.element, at.checkpointed) + (
         attention_score_bytes(arch, tokens, r.max_seq_len, at.element) // r.max_seq_len if at.explicit_attention else 0)
     rm.logits = tokens // 2 * picked_logit_bytes_per_token(arch, at.element)  # at most the chosen rows' positions
-    batch = f"{tokens} padded tokens per batch (pairs × 2 × longest)"
+    batch = f"{tokens} padded tokens per batch (pairs × 2 × longest){', checkpointed' if at.checkpointed else ''}"
     budget = "reward.token_budget" if r.dynamic_batching else "reward.fixed_pairs"
-    return [rm], batch, {"activations": f"lower {budget} or reward.max_seq_len", "logits": f"lower {budget}"}
+    return [rm], batch, {"activations": at.recompute_advice(f"lower {budget} or reward.max_seq_len"),
+                         "logits": f"lower {budget}"}
 
 
 def rollout_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
@@ -536,8 +587,8 @@ def rollout_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
     length = prompt + new
     actor = at.states("actor" if train_actor else "actor (frozen)", arch.params(), train_actor)
     roles = [actor]
-    if train_actor:  # the critic stage's frozen policy is its own reference (stages/critic.py)
-        roles.append(at.states("reference", arch.params(), False))
+    if train_actor and not at.adapters:  # critic pre-training's frozen policy is its own reference (stages/critic.py);
+        roles.append(at.states("reference", arch.params(), False))  # a LoRA actor's is itself without adapters
     roles.append(at.states("reward model", at.rm_psi, False))
     critic = at.states("critic", at.rm_psi, True) if needs_critic(p) else None
     at.without_fp32_gradients(actor, 1)  # PPO's engines: one backward a step (stages/ppo/trainer.py)
@@ -555,19 +606,21 @@ def rollout_memory(at: Planning) -> tuple[list[Role], str, dict[str, str]]:
     # before the first backward (stages/ppo/trainer.py `optimise`).
     scores = attention_score_bytes(arch, mb, length, element) if at.explicit_attention else 0
     if critic is not None:
-        critic.activations = activation_bytes(arch, mb * length, element, False) + scores
+        critic.activations = activation_bytes(arch, mb * length, element, at.checkpointed) + scores
     if train_actor:
-        actor.activations = activation_bytes(arch, mb * length, element, False) + scores
+        actor.activations = activation_bytes(arch, mb * length, element, at.checkpointed) + scores
         actor.logits = mb * new * picked_logit_bytes_per_token(arch, element)
         if p.switches()["ptx"]:
             ptx_tokens = p.ptx_batch_size * cfg.sft.max_seq_len
-            actor.activations += activation_bytes(arch, ptx_tokens, element, False)
+            actor.activations += activation_bytes(arch, ptx_tokens, element, at.checkpointed)
             actor.logits += ptx_tokens * logit_bytes_per_token(arch, element)
     batch = (f"rollout {rollout_rows} × ({prompt} + {new}) tokens, minibatch {mb}"
-             + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else ""))
+             + (f", ptx {p.ptx_batch_size} × {cfg.sft.max_seq_len}" if train_actor and p.switches()["ptx"] else "")
+             + (", checkpointed" if at.checkpointed else ""))
     section = at.stage
     advice = {"rollout": f"lower {section}.rollout_batch_size or ppo.generation.max_new_tokens",
-              "activations": f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else ""),
+              "activations": at.recompute_advice(f"lower {section}.minibatch_size"
+                                                 + (" or ppo.ptx_batch_size" if train_actor else "")),
               "logits": f"lower {section}.minibatch_size" + (" or ppo.ptx_batch_size" if train_actor else "")}
     return roles, batch, advice
 
@@ -679,6 +732,87 @@ def device_memory(device: str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# The memory switches, cheapest first (what each costs a step): recomputing activations (one more
+# forward per backward), ZeRO-3 (gathering every layer's weights, forward and backward), the
+# optimiser on the host (its step and the gradient and weight copies over PCIe), the parameters on
+# the host too (every layer's weights over PCIe, each forward and backward).
+MEMORY_SWITCHES = (("model.gradient_checkpointing=true",), ("{stage}.launch.deepspeed=zero3",),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3"),
+                   ("{stage}.launch.offload_optimizer=true",),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.offload_optimizer=true"),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true"),
+                   ("model.gradient_checkpointing=true", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true", "{stage}.launch.offload_params=true"),
+                   # LoRA last: it trains another model (adapters of rank 16, OpenRLHF's LoRA examples), not the same one
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16"),
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16", "{stage}.launch.deepspeed=zero3"),
+                   ("model.gradient_checkpointing=true", "model.lora.rank=16", "{stage}.launch.deepspeed=zero3",
+                    "{stage}.launch.offload_optimizer=true", "{stage}.launch.offload_params=true"))
+
+
+def with_switches(cfg: PipelineConfig, switches: list[str]) -> PipelineConfig:
+    """`cfg` with `--set` lines of MEMORY_SWITCHES applied (offload runs on DeepSpeed: zero2 unless set)."""
+    values = cfg.model_dump(mode="json")
+    for line in switches:
+        path, value = line.split("=", 1)
+        *sections, key = path.split(".")
+        section = values
+        for name in sections:
+            section = section[name]
+        section[key] = {"true": True}.get(value, int(value) if value.isdigit() else value)
+        if key.startswith("offload") and section.get("deepspeed") is None:
+            section["deepspeed"] = "zero2"
+    return PipelineConfig.model_validate(values)
+
+
+def cheapest_fit(cfg: PipelineConfig, stage: str, arch: Architecture, device: str, available: int) -> list[str] | None:
+    """The first switches of MEMORY_SWITCHES (cheapest first) under which `stage` fits `available`
+    bytes per device (per host on a CPU); [] when it fits as it is, None when none does."""
+    for switches in ((), *MEMORY_SWITCHES):
+        lines = [s.format(stage=stage) for s in switches]
+        sp = plan_stage(with_switches(cfg, lines), stage, arch, device)
+        if (sp.host_peak if sp.device == "cpu" else sp.peak) <= available:
+            return lines
+    return None
+
+
+def remedies(predicted: Plan, cfg: PipelineConfig) -> list[str]:
+    """Per stage that does not fit: the cheapest switches that make it fit (`cheapest_fit`)."""
+    lines = []
+    for sp, used, available in predicted.verdicts():
+        if used > available:
+            found = cheapest_fit(cfg, sp.stage, predicted.arch, sp.device, available)
+            lines.append(f"{sp.stage}: " + (" ".join(f"--set {s}" for s in found) if found is not None
+                                            else "no memory switch makes it fit: more ranks"))
+    return lines
+
+
+FIT_ARCHITECTURES = ("llama-2-7b", "llama-3-8b", "llama-2-13b", "llama-3-70b")
+FIT_WORLD_SIZES = (1, 8, 16)
+
+
+def fit_table(cfg: PipelineConfig, memory_gib: float = 80.0) -> str:
+    """The markdown table of docs/guide/memory.md: for each architecture and world size (every
+    training stage on that many GPUs of `memory_gib`, DeepSpeed ZeRO-2 as it starts), the cheapest
+    switches (`cheapest_fit`) each stage needs. `rlhf plan --fit-table` prints it."""
+    available = int(memory_gib * GiB)
+    head = ["model"] + [f"{n} × {memory_gib:g} GB" for n in FIT_WORLD_SIZES]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in FIT_ARCHITECTURES:
+        arch = read_architecture(cfg.model, name)
+        cells = []
+        for ranks in FIT_WORLD_SIZES:
+            launch = [f"{stage}.launch.{key}={value}" for stage in TRAINING_STAGES
+                      for key, value in (("world_size", ranks), ("deepspeed", "zero2"))]
+            ranked = with_switches(cfg, launch)
+            needs = {stage: cheapest_fit(ranked, stage, arch, "cuda", available) for stage in TRAINING_STAGES}
+            cells.append("; ".join(f"{stage}: " + ("does not fit" if found is None else ", ".join(
+                s.split(".")[-1].removesuffix("=true") for s in found) or "fits") for stage, found in needs.items()))
+        rows.append(f"| {name} ({arch.params() / 1e9:.1f} B) | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def plan(cfg: PipelineConfig, *, stages: list[str] | None = None, architecture: str | None = None,

@@ -129,7 +129,7 @@ for _stage in (
     Stage("sft", "stages.sft", config=("model", "data", "sft"), inputs=("splits",),
           outputs=("sft_model", "sft_model_artifact", "sft_probe"), registers="sft", model_output="sft_model",
           contract={"sft": "sft_probe"}, resumes=True, headline=("eval/perplexity",)),  # before → after
-    Stage("reward", "stages.reward", config=(*PIPELINE, "statistics.ci_level"), inputs=("splits", "sft_model"),
+    Stage("reward", "stages.reward.stage", config=(*PIPELINE, "statistics.ci_level"), inputs=("splits", "sft_model"),
           outputs=("reward_model", "reward_model_artifact", "reward_probe"), registers="reward", model_output="reward_model",
           contract={"reward": "reward_probe"}, resumes=True, headline=("eval/accuracy", "eval/margin")),
     # The critic reads of `ppo` only what PipelineConfig.critic_ppo passes on: CriticRollouts' fields.

@@ -15,6 +15,7 @@ from stages import lifecycle, loading, mlflow_models, precision, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.dist import Dist
+from stages.model_loading import frozen_dtype, save_adapter, trained_lm
 from stages.losses import shifted_nll
 from stages.nonfinite import NonFiniteGuard
 from stages.rendering import collate, count_cut, encode_example
@@ -93,11 +94,8 @@ class SFTTraining(lifecycle.TrainingStage):
         torch.manual_seed(sft.seed)
         self.splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
         tokenizer = self.tokenizer = loading.load_tokenizer(model_dir, cfg.model)
-        model = loading.load_model(model_dir, cfg.model).to(dist.device)
+        model = trained_lm(model_dir, cfg.model, dist.device)
         loading.align_pad_token(model, tokenizer)
-        if sft.gradient_checkpointing:  # transformers 5 renamed it; 4.x has only the old name
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-        model.config.use_cache = False
 
         def encode(rows):
             return [encode_example(tokenizer, r["messages"], r["chosen"], sft.max_seq_len, sft.max_response_len)
@@ -122,7 +120,7 @@ class SFTTraining(lifecycle.TrainingStage):
             self.total = min(self.total, sft.max_steps)
         self.checkpoint_every, self.log_every = sft.checkpoint_every, sft.log_every
 
-        optimizer = adamw(model, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
+        optimizer = adamw(model, dist, lr=sft.lr, betas=sft.adam_betas, weight_decay=sft.weight_decay)
         self.scheduler = cosine_with_warmup(optimizer, int(sft.warmup_ratio * self.total), self.total, sft.min_lr_ratio)
         self.engine = make_engine(model, optimizer, self.scheduler, micro_batch_size=sft.micro_batch_size,
                                   grad_accum_steps=sft.grad_accum_steps, max_grad_norm=sft.max_grad_norm,
@@ -193,12 +191,12 @@ class SFTTraining(lifecycle.TrainingStage):
             model.config.use_cache = True
             model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)
+            save_adapter(model, out)
 
         def held_out_probe(out: Path) -> None:  # for the SFT contract, on the saved weights (whatever engine trained them)
             started = time.perf_counter()
             rows = read_jsonl(self.splits_dir / "eval_prompts.jsonl")[: sft.probe_prompts]
-            dtype = precision.dtype(precision.resolve(cfg.model.precision, self.dist.device))
-            saved = loading.load_model(str(out), cfg.model, dtype)
+            saved = loading.load_model(str(out), cfg.model, frozen_dtype(cfg.model, self.dist.device))
             probe_rows.extend(generation_probe(saved, tokenizer, rows, sft.probe_max_new_tokens, sft.max_seq_len))
             probe_seconds.append(time.perf_counter() - started)
 

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from stages.dist import Dist
+from stages.model_loading import merge_adapters
 from stages.models import fused
 from stages.models.embedding import add_gradients_in_place
 from stages.rendering import render_prompt
@@ -376,10 +377,17 @@ def adamw_from_bf16_gradients(optimizer, pairs: list, coef: float) -> None:
                        *scalars[t])
 
 
-def adamw(model, **options):
+def adamw(model, dist: Dist | None = None, **options):
     """AdamW with the fused kernel: torch's default on CPU updates one tensor at a time, several
-    times slower on a model's hundreds of tensors."""
+    times slower on a model's hundreds of tensors. Where the ranks' DeepSpeed config offloads the
+    optimiser (`launch.offload_optimizer`): DeepSpeed's CPU Adam in its AdamW mode, the optimiser
+    ZeRO-Offload steps on the host (DeepSpeed refuses another there unless told to, and torch's
+    steps the host's fp32 partitions several times slower)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if dist is not None and dist.offloads_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # deferred: as in make_engine; builds its op once (g++)
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **options)
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, fused=fused or None, **options)
 
@@ -410,8 +418,11 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
 def trained_model(engine):
     """The model an engine trained, for saving: in fp32 with its master weights under bf16
     (`PlainEngine.restore_fp32`; the engine trains no further); DeepSpeed's module as it is (bf16
-    weights under its bf16 mode)."""
-    return engine.restore_fp32() if isinstance(engine, PlainEngine) else engine.module
+    weights under its bf16 mode). LoRA adapters (`model.lora`) are merged into their layers: a plain
+    transformers model."""
+    model = engine.restore_fp32() if isinstance(engine, PlainEngine) else engine.module
+    merge_adapters(model)
+    return model
 
 
 def total_norm(tensors: list) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from stages.config import load_config
 from stages.dist import Dist
 from stages.ppo.reward_shaping import RunningMoments, reparameterise_scores
-from stages.ppo.stage import load_models
+from stages.model_loading import load_models
 from stages.reward.model import RewardModel, save_reward_model
 from stages.loading import load_model
 

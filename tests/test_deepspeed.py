@@ -21,7 +21,7 @@ def splits_outputs():
 
 def test_sft_on_two_deepspeed_ranks(splits_outputs):
     cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.epochs=1",
-                               "sft.gradient_checkpointing=true"])
+                               "model.gradient_checkpointing=true"])
     pipeline = tracking.PipelineRun.start(cfg, ["sft"])
     outputs = execute("sft", cfg, pipeline.run_id, splits_outputs)
     pipeline.finish("FINISHED")

@@ -48,10 +48,12 @@ def one_nccl_rank():
 
 
 def dist_for(zero: str | None):
+    from stages.config import LaunchConfig
     from stages.dist import Dist
-    from stages.launch import _resolve_deepspeed_config
+    from stages.launch import resolve_deepspeed_config
 
-    return Dist(deepspeed_config=_resolve_deepspeed_config(zero) if zero else None, device="cuda:0")
+    config = resolve_deepspeed_config("sft", LaunchConfig(deepspeed=zero)) if zero else None
+    return Dist(deepspeed_config=config, device="cuda:0")
 
 
 def train(make_model, loss_of, zero: str | None, lr: float = 3e-3) -> list[float]:

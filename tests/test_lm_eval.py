@@ -110,14 +110,14 @@ def _choice_logprobs(model, tokenizer, context: str, continuation: str) -> float
 def test_accuracy_matches_our_own_scoring_of_each_model(evaluated, full_run):
     """Each model's per-choice log-likelihoods and accuracy, as lm-eval logged them, equal our own
     forward pass of that model (the SFT and the policy give different numbers: a swap fails)."""
-    from stages.evaluate.stage import load_lm
+    from stages.model_loading import frozen_lm
 
     run = stage_run(evaluated, "eval")
     report = tracking.download(f"runs:/{run.info.run_id}/report")
     outputs, cfg = tracking.outputs_of(full_run), load_config("tiny")
     ours = {}
     for name, uri in (("sft", outputs["sft_model"]), ("policy", outputs["policy_model"])):
-        model, tokenizer = load_lm(str(tracking.download(uri)), cfg.model, "cpu")
+        model, tokenizer = frozen_lm(str(tracking.download(uri)), cfg.model, "cpu")
         ours[name] = [[_choice_logprobs(model, tokenizer, prompt(q), f" {choice}") for choice in choices]
                       for q, choices, _ in QUESTIONS]
         samples = [json.loads(line) for line in (report / "lm_eval" / f"samples_{name}_{TASK}.jsonl").open()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -148,7 +149,7 @@ def test_our_parameter_count_and_model_states_match_deepspeeds_estimators_for_a_
 
 def test_gradient_checkpointing_keeps_layer_inputs_only():
     arch = plan.read_architecture(load_config("tiny").model)
-    off, on = (plan.plan(load_config("tiny", [f"sft.gradient_checkpointing={v}"]), stages=["sft"], device="cpu",
+    off, on = (plan.plan(load_config("tiny", [f"model.gradient_checkpointing={v}"]), stages=["sft"], device="cpu",
                          memory_gib=24).stages[0].roles[0] for v in ("false", "true"))
     tokens = 8 * 256  # tiny: micro_batch_size × max_seq_len
     assert off.activations == arch.num_hidden_layers * plan.layer_activation_bytes(arch, 4) * tokens
@@ -286,7 +287,7 @@ def test_the_presets_fit_a_24_gib_machine_and_a_7b_plan_needs_zero3_on_80_gib_gp
                         architecture="llama-2-7b", device="cuda", memory_gib=80).check()
     assert not verdict.fits
     assert verdict.message.startswith("sft actor: ") and "GiB > 80.00 GiB of GPU memory" in verdict.message
-    assert "sft.gradient_checkpointing=true" in verdict.message
+    assert "model.gradient_checkpointing=true" in verdict.message
 
 
 def test_run_refuses_a_config_that_does_not_fit_before_any_mlflow_run_and_ignore_plan_goes_on(capsys, hh_file):
@@ -322,3 +323,49 @@ def test_the_gpu_preset_trains_a_1b_llama_under_deepspeed_and_its_plan_fits_an_8
     assert main(["plan", "--preset", "gpu", "--device", "cuda", "--device-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "989.9 M parameters" in out and "ppo — cuda, bf16, ZeRO-2 × 1" in out
+
+
+def test_the_fit_table_in_the_memory_guide_is_current(capsys):
+    """docs/guide/memory.md's fit table is what `rlhf plan --preset demo --fit-table` prints today."""
+    from flows import cli
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "memory.md").read_text()
+    committed = page.split("<!-- fit-table: rlhf plan --preset demo --fit-table -->\n")[1].split("\n<!-- /fit-table -->")[0]
+    assert cli.main(["plan", "--preset", "demo", "--fit-table"]) == 0
+    assert capsys.readouterr().out.strip() == committed, "refresh it with `rlhf plan --preset demo --fit-table`"
+
+
+def test_plan_names_the_cheapest_switches_that_make_a_stage_fit():
+    """7B SFT on one 80 GB card does not fit as it is; the optimiser on the host makes it fit, and
+    checkpointing alone does not (plan.MEMORY_SWITCHES, cheapest first)."""
+    cfg = load_config("demo", ["sft.launch.deepspeed=zero2"])
+    arch = plan.read_architecture(cfg.model, "llama-2-7b")
+    available = 80 * plan.GiB
+    assert plan.plan_stage(cfg, "sft", arch, "cuda").peak > available
+    assert plan.cheapest_fit(cfg, "sft", arch, "cuda", available) == ["sft.launch.offload_optimizer=true"]
+    offloaded = plan.plan_stage(plan.with_switches(cfg, ["sft.launch.offload_optimizer=true"]), "sft", arch, "cuda")
+    assert offloaded.roles[0].optimizer == 0 and offloaded.roles[0].offloaded > 0
+
+
+def test_lora_plans_the_adapters_as_the_trained_part_and_no_reference():
+    """A LoRA actor: its weights frozen (2 bytes a parameter in bf16), the adapters' masters,
+    gradients and moments the trained part; PPO's reference is the actor without its adapters."""
+    arch = plan.read_architecture(load_config("demo").model, "llama-2-7b")
+    adapters = arch.lora_params(16, "all-linear")
+    assert adapters == 32 * 16 * (9 * 4096 + 2 * 4096 + 3 * 11008)  # layers × r × Σ (in + out) of q k v o gate up down
+    full, lora = (plan.plan_stage(load_config("demo", ["ppo.launch.deepspeed=zero2", *extra]), "ppo", arch, "cuda")
+                  for extra in ([], ["model.lora.rank=16"]))
+    assert [r.name for r in full.roles] == ["actor", "reference", "reward model", "critic"]
+    assert [r.name for r in lora.roles] == ["actor", "reward model", "critic"]
+    actor = lora.roles[0]
+    assert actor.weights == 2 * arch.params() + 2 * adapters and actor.optimizer == 8 * adapters
+    assert lora.peak < full.peak
+
+
+def test_rlhf_plan_prints_the_cheapest_switches_when_a_stage_does_not_fit(capsys):
+    from flows import cli
+
+    code = cli.main(["plan", "--preset", "demo", "--architecture", "llama-3-8b", "--world-size", "1", "--deepspeed",
+                     "zero2", "--device", "cuda", "--device-memory", "80", "--stages", "sft"])
+    printed = capsys.readouterr().out
+    assert code == 1 and "the cheapest switches that make each stage fit:\n  sft: --set sft.launch.offload_optimizer=true" in printed

@@ -253,8 +253,9 @@ def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeyp
 
 
 def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
-    """The stage's load_models: the reward model always (scores, initial statistics), the critic
-    only for an estimator that needs one; prepare fetches no critic for one that does not."""
+    """load_models: the reward model always (scores, initial statistics), the critic only for an
+    estimator that needs one; the stage's prepare fetches no critic for one that does not."""
+    from stages import model_loading
     from stages.ppo import stage
 
     folder, _, _ = tiny
@@ -264,13 +265,13 @@ def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
         loaded.append(path)
         return RewardModel(load_model(folder, model_cfg, dtype))
 
-    monkeypatch.setattr(stage, "load_reward_model", fake_reward_model)
+    monkeypatch.setattr(model_loading, "load_reward_model", fake_reward_model)
     monkeypatch.setattr(stage.tracking, "download", lambda uri, into: f"{into}/{uri}")
     inputs = {"sft_model_dir": folder, "reward_model_dir": "rm", "critic_model_dir": "critic"}
     for estimator, expected in (("gae", ["rm", "critic"]), ("reinforce++", ["rm"])):
         loaded.clear()
         cfg = load_config("tiny", [f"ppo.advantage_estimator={estimator}"])
-        *_, critic, _ = stage.load_models(cfg, inputs, Dist())
+        *_, critic, _ = model_loading.load_models(cfg, inputs, Dist())
         assert loaded == expected and (critic is None) == (estimator == "reinforce++")
         local = stage.prepare(cfg, {"splits": "s", "sft_model": "m", "reward_model": "r", "critic_model": "c"}, "here")
         assert ("critic_model_dir" in local) == (estimator == "gae")

@@ -16,16 +16,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import interrupt, loading, precision, tracking
+from stages import interrupt, loading, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.dist import Dist
 from stages.evaluate import ceval, harness, quality, report
 from stages.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
                                    tally)
+from stages.model_loading import frozen_lm, frozen_reward_model
 from stages.ppo.generation import generate
 from stages.ppo.setup import encode_prompts
-from stages.reward.model import load_reward_model
 from stages.stats import Interval
 from stages.tags import CHAMPION_JUDGE_TAG, CHAMPION_TAG
 
@@ -67,18 +67,6 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     return local
 
 
-def frozen_dtype(model_cfg: ModelConfig, device: str):
-    """Every model here is frozen: its weights in the run's precision."""
-    return precision.dtype(precision.resolve(model_cfg.precision, device))
-
-
-def load_lm(model_dir: str, model_cfg: ModelConfig, device: str):
-    tokenizer = loading.load_tokenizer(model_dir, model_cfg)
-    model = loading.load_model(model_dir, model_cfg, frozen_dtype(model_cfg, device)).to(device).eval()
-    loading.align_pad_token(model, tokenizer)
-    return model, tokenizer
-
-
 def respond(model, tokenizer, rows: list[dict], cfg: PipelineConfig, device: str) -> tuple[list[str], list[bool]]:
     """Sampled responses (eval.generation: nucleus sampling, temperature, repetition penalty):
     (texts, whether each ended with EOS rather than at the token limit)."""
@@ -99,7 +87,7 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     if spec.kind == "openai":
         return OpenAIJudge(spec, loading.cache_dir() / "judge")
     if spec.kind == "local":
-        model, tokenizer = load_lm(inputs[f"judge_{spec.name}_dir"], judge_model_config(cfg, spec), device)
+        model, tokenizer = frozen_lm(inputs[f"judge_{spec.name}_dir"], judge_model_config(cfg, spec), device)
         return LocalJudge(spec, model, tokenizer, cfg.eval.generation_batch_size)
     if spec.kind == "reward_source":
         return RewardSourceJudge(spec, loading.load_tokenizer(inputs["sft_model_dir"], cfg.model),
@@ -111,7 +99,7 @@ def make_judge(spec, cfg: PipelineConfig, inputs: dict, device: str):
     else:
         raise ValueError(f"judge '{spec.name}' needs the run's reward model (reward_model), and this run has none; "
                          f"or name one in eval.judges[{cfg.eval.judges.index(spec)}].model")
-    reward_model = load_reward_model(folder, cfg.model, frozen_dtype(cfg.model, device)).to(device).eval()
+    reward_model = frozen_reward_model(folder, cfg.model, device)
     return RewardModelJudge(spec, reward_model, loading.load_tokenizer(folder, cfg.model), cfg.reward.max_seq_len,
                             cfg.reward.max_response_len, cfg.eval.generation_batch_size)
 
@@ -142,7 +130,7 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
                           with_dev=max(ev.ceval.shots, default=0) > 0)
     answers, responses, seconds, lm_eval = [], {}, 0.0, {}
     for name, model_dir in models.items():
-        model, tokenizer = load_lm(model_dir, cfg.model, device)
+        model, tokenizer = frozen_lm(model_dir, cfg.model, device)
         for shots in ev.ceval.shots:
             stop_point(f"before C-Eval {shots}-shot of {name}")
             t = time.perf_counter()
@@ -296,7 +284,7 @@ def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], resp
     accuracy already measured): every judge metric as `eval/final/judge/<name>/*`, and the judged
     pairs (model `final`)."""
     stop_point("before the final policy answered the eval prompts")
-    model, tokenizer = load_lm(inputs["final_policy_model_dir"], cfg.model, device)
+    model, tokenizer = frozen_lm(inputs["final_policy_model_dir"], cfg.model, device)
     final, final_ended = respond(model, tokenizer, rows, cfg, device)
     final_tokens = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in final]
     del model

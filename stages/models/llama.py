@@ -28,10 +28,10 @@ from stages.precision import cpu_vendor
 
 
 def forward_applies(base_model) -> bool:
-    """Whether the padding-free forward computes what the model's own would: not with gradient
-    checkpointing or attention dropout in training."""
-    return (not getattr(base_model, "gradient_checkpointing", False)
-            and not (base_model.training and base_model.config.attention_dropout > 0))
+    """Whether the padding-free forward computes what the model's own would: not in training with
+    gradient checkpointing (transformers checkpoints its layers in training only) or attention dropout."""
+    return not (base_model.training and (getattr(base_model, "gradient_checkpointing", False)
+                                         or base_model.config.attention_dropout > 0))
 
 
 def decoder_applies(model) -> bool:

@@ -12,18 +12,17 @@ import torch
 
 from stages import lifecycle, loading, mlflow_models, precision, registry, stats, tracking
 from stages.checkpoint import load_rng_state, rng_state
-from stages.config import PipelineConfig, StatisticsConfig, is_text_reward_source
+from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import read_jsonl
 from stages.dist import Dist
+from stages.model_loading import frozen_reward_model, load_models, save_adapter
 from stages.rendering import encode_example
 from stages.ppo.advantages import needs_critic
 from stages.ppo.collapse_guard import CollapseGuard, ContractCheck
-from stages.ppo.external_scores import RewardServerUnavailable, text_scores
-from stages.ppo.experience import reward_model_scores, rule_scores
-from stages.ppo.reward_shaping import RunningMoments, ScoreMode
+from stages.ppo.external_scores import RewardServerUnavailable
+from stages.ppo.experience import reward_model_scores
 from stages.ppo.setup import encode_prompts, initial_moments
 from stages.ppo.trainer import PPOTrainer, check_algorithms, warmup_steps
-from stages.reward.model import load_reward_model
 from stages.tensors import masked_mean
 from stages.training import trained_model
 from stages.tags import ADVANTAGE_ESTIMATOR_TAG, FINAL_ITERATION_TAG, INPUT_TAG_PREFIX, PPO_PRESET_TAG
@@ -46,47 +45,6 @@ def prepare(cfg: PipelineConfig, inputs: dict, downloads: Path) -> dict:
     return local
 
 
-def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool = True):
-    """(tokenizer, actor, reference, reward model, critic, score_fn); frozen ones in eval mode. The
-    critic is None when the advantage estimator needs none (the reward model still gives the scores,
-    or with a rule reward the initial score statistics). Models to train load in fp32 (their engine
-    keeps those as master weights under bf16), frozen ones in the run's precision; train_actor=False:
-    the actor is frozen too (critic pre-training)."""
-    sft_dir, rm_dir = inputs["sft_model_dir"], inputs["reward_model_dir"]
-    tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-    frozen = precision.dtype(precision.resolve(cfg.model.precision, dist.device))  # trained ones: fp32 (make_engine)
-    actor = loading.load_model(sft_dir, cfg.model, None if train_actor else frozen).to(dist.device)
-    loading.align_pad_token(actor, tokenizer)
-    reference = loading.load_model(sft_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
-    reward_model = load_reward_model(rm_dir, cfg.model, frozen).to(dist.device).eval().requires_grad_(False)
-    critic = None
-    if needs_critic(cfg.ppo):
-        critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model).to(dist.device)
-        if "critic_model_dir" not in inputs:  # a pre-trained critic is on this scale already
-            values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
-    if cfg.ppo.reward == "rm":
-        score_fn = reward_model_scores(reward_model)
-    elif is_text_reward_source(cfg.ppo.reward):
-        score_fn = text_scores(cfg.ppo, tokenizer, dist)
-    else:
-        score_fn = rule_scores(tokenizer, cfg.ppo.reward)
-    return tokenizer, actor, reference, reward_model, critic, score_fn
-
-
-@torch.no_grad()
-def values_on_the_shaped_scale(critic, moments: RunningMoments, mode: ScoreMode) -> None:
-    """The critic starts as the reward model (§5.3.3), but it predicts rewards that carry the RM's
-    scores reparameterised (§5.3.1): fold that affine map, on the statistics PPO starts from, into
-    its scalar head, so its first values are on the rewards' scale. Left as the RM's, the values
-    sit μ/σ off their targets, and with Adam's per-parameter steps of about lr the head's bias
-    cannot move that far: the rest of the network has to carry the offset."""
-    if mode == "none":
-        return
-    head = critic.score_head
-    head.weight.div_(moments.std)
-    if mode == "normalise":
-        head.bias.sub_(moments.mean)
-    head.bias.div_(moments.std)
 
 
 def ptx_examples(cfg: PipelineConfig, tokenizer, splits_dir: Path) -> tuple[str, list[tuple[list[int], list[int]]]]:
@@ -228,9 +186,8 @@ class PPOTraining(lifecycle.TrainingStage):
         # point on a fresh start.
         self.gold_fn = None
         if "gold_reward_model_dir" in inputs:
-            gold = load_reward_model(inputs["gold_reward_model_dir"], cfg.model,
-                                     precision.dtype(precision.resolve(cfg.model.precision, dist.device)))
-            self.gold_fn = reward_model_scores(gold.to(dist.device).eval().requires_grad_(False))
+            self.gold_fn = reward_model_scores(frozen_reward_model(inputs["gold_reward_model_dir"], cfg.model,
+                                                                   dist.device))
         self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
         self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist, contract)
 
@@ -287,6 +244,7 @@ class PPOTraining(lifecycle.TrainingStage):
             policy.config.use_cache = True
             policy.save_pretrained(out, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
+            save_adapter(policy, out)
 
         lineage = {PPO_PRESET_TAG: ppo.preset, ADVANTAGE_ESTIMATOR_TAG: ppo.advantage_estimator, **guard.tags()}
         if trainer.critic is None:  # a critic-free estimator read no critic, whatever the inputs held

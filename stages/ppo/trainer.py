@@ -77,7 +77,7 @@ class PPOTrainer:
         engine_clip = math.inf if self.joint_clip else ppo.max_grad_norm
 
         def engine(model, lr, decay):
-            optimizer = adamw(model, lr=lr, betas=ppo.adam_betas, weight_decay=decay)
+            optimizer = adamw(model, dist, lr=lr, betas=ppo.adam_betas, weight_decay=decay)
             return make_engine(model, optimizer, linear_warmup(optimizer, warmup), micro_batch_size=ppo.minibatch_size,
                                grad_accum_steps=1, max_grad_norm=engine_clip, precision=precision, dist=dist)
 

@@ -17,11 +17,12 @@ from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, read_jsonl
 from stages.dist import Dist
+from stages.model_loading import save_adapter, trained_reward_model
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
 from stages.nonfinite import NonFiniteGuard
 from stages.rendering import collate, count_cut, encode_example
 from stages.reward.batching import PairBatchSampler
-from stages.reward.model import load_reward_model, reward_model_from_lm, save_reward_model
+from stages.reward.model import load_reward_model, save_reward_model
 from stages.reward.pyfunc import scorer_pack
 from stages.reward.report import margin_histogram, worst_pairs
 from stages.training import adamw, cosine_with_warmup, make_engine, trained_model
@@ -168,7 +169,7 @@ class RewardTraining(lifecycle.TrainingStage):
         torch.manual_seed(rm.seed)
         splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
         self.tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-        model = reward_model_from_lm(sft_dir, cfg.model).to(dist.device)
+        model = trained_reward_model(sft_dir, cfg.model, dist.device)
         loading.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -193,7 +194,7 @@ class RewardTraining(lifecycle.TrainingStage):
             self.total = min(self.total, rm.max_steps)
         self.checkpoint_every, self.log_every = rm.checkpoint_every, rm.log_every
 
-        optimizer = adamw(model, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
+        optimizer = adamw(model, dist, lr=rm.lr, betas=rm.adam_betas, weight_decay=rm.weight_decay)
         self.scheduler = cosine_with_warmup(optimizer, int(rm.warmup_ratio * self.total), self.total)
         self.engine = make_engine(model, optimizer, self.scheduler,
                                   micro_batch_size=rm.max_pairs if rm.dynamic_batching else rm.fixed_pairs,
@@ -258,10 +259,14 @@ class RewardTraining(lifecycle.TrainingStage):
             tracker.log_table(worst_pairs(self.heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
                               "eval/worst_pairs.json")
 
+        def save(out: Path) -> None:
+            model = trained_model(engine)
+            save_reward_model(model, self.tokenizer, out, {"heldout_pairs": len(heldout),
+                                                           "heldout_accuracy": metrics["eval/accuracy"]})
+            save_adapter(model, out)
+
         return lifecycle.Finish(
-            metrics, "reward_probe", probe=lambda: scores.probe(self.heldout_rows),
-            save=lambda out: save_reward_model(trained_model(engine), self.tokenizer, out, {
-                "heldout_pairs": len(heldout), "heldout_accuracy": metrics["eval/accuracy"]}),
+            metrics, "reward_probe", probe=lambda: scores.probe(self.heldout_rows), save=save,
             pack=scorer_pack(self.cfg, self.dist),
             # The accuracy with its interval and pair count: the eval stage reads them to decide whether
             # this model, as a judge, can tell a better answer from a worse one (stages/evaluate/quality.py).
