@@ -14,7 +14,7 @@ from stages.loading import load_model
 from stages.logprobs import token_logprobs
 from stages.reward.model import RewardModel, save_reward_model
 from stages.sft import response_nll
-from stages.training import collate
+from stages.rendering import collate
 
 SWITCHES = ("model.fast_path=off",)  # transformers' forward both ways: the switch alone differs
 

@@ -16,7 +16,8 @@ from stages.loading import load_model
 from stages.ppo.experience import response_logits
 from stages.reward.model import RewardModel, save_reward_model
 from stages.sft import response_nll
-from stages.training import adamw, collate, linear_warmup, make_engine, trained_model
+from stages.rendering import collate
+from stages.training import adamw, linear_warmup, make_engine, trained_model
 
 LORA = ("model.lora.rank=4", "model.fast_path=off")
 
