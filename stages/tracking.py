@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -251,6 +250,27 @@ def _no_http_retries():
             os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = saved
 
 
+def _spooled_call(name: str, args: tuple, kwargs: dict) -> dict:
+    """A queued client call as JSON (no pickle: the spool is data, read back without running code):
+    `log_batch`'s metrics as [key, value, timestamp, step], a table's frame as its columns."""
+    kwargs = dict(kwargs)
+    if "metrics" in kwargs:
+        kwargs["metrics"] = [[m.key, m.value, m.timestamp, m.step] for m in kwargs["metrics"]]
+    if hasattr(kwargs.get("data"), "to_dict"):
+        kwargs["data"] = kwargs["data"].to_dict(orient="list")
+    return {"name": name, "args": list(args), "kwargs": kwargs}
+
+
+def _queued_call(spooled: dict) -> tuple[str, tuple, dict]:
+    """`_spooled_call` read back: (client method name, args, kwargs)."""
+    from mlflow.entities import Metric  # deferred: MLflow
+
+    kwargs = dict(spooled["kwargs"])
+    if "metrics" in kwargs:
+        kwargs["metrics"] = [Metric(*m) for m in kwargs["metrics"]]
+    return spooled["name"], tuple(spooled["args"]), kwargs
+
+
 class StageRun:
     """One stage's MLflow run, plus the local working folder of that stage.
 
@@ -258,12 +278,12 @@ class StageRun:
     backoff until the server has been unreachable for `patience_s`, then TrackingUnavailable.
     Metrics, sample tables and `log_artifact(..., buffered=True)` do not wait: they are queued and
     sent, in order, by the next call that finds the server back, so training goes on meanwhile.
-    The queue is kept in the stage's folder too (`pending_calls.pkl`): a process that dies before
+    The queue is kept in the stage's folder too (`pending_calls.json`): a process that dies before
     the server is back leaves it to the resumed attempt (`start_attempt`), whose checkpoint may be
     past the steps those metrics belong to."""
 
     MAX_BACKOFF_S = 30.0
-    SPOOL = "pending_calls.pkl"
+    SPOOL = "pending_calls.json"
 
     def __init__(self, mlflow_client, run_id: str, stage: str, workdir: Path, pipeline_run_id: str,
                  patience_s: float = 600.0):
@@ -336,7 +356,7 @@ class StageRun:
         path = self.workdir / self.SPOOL
         if self._pending:
             tmp = path.with_name(f".{self.SPOOL}.tmp")
-            tmp.write_bytes(pickle.dumps({"run_id": self.run_id, "calls": self._pending}))
+            tmp.write_text(json.dumps({"run_id": self.run_id, "calls": [_spooled_call(*c) for c in self._pending]}))
             os.replace(tmp, path)
             self._owns_spool = True
         elif self._owns_spool:
@@ -349,12 +369,12 @@ class StageRun:
         path = self.workdir / self.SPOOL
         if not path.exists():
             return
-        spooled = pickle.loads(path.read_bytes())  # our own file, in the stage's folder
+        spooled = json.loads(path.read_text())
         self._owns_spool = True
         if spooled["run_id"] != self.run_id:  # another run's (a fresh attempt in a new run)
             path.unlink()
             return
-        for name, args, kwargs in spooled["calls"]:
+        for name, args, kwargs in map(_queued_call, spooled["calls"]):
             if name == "log_batch":
                 metrics = [m for m in kwargs["metrics"] if (m.key, m.step) not in self._logged]
                 if not metrics:
@@ -372,7 +392,7 @@ class StageRun:
         """A training stage's start in this run (on the main rank): its params when it starts fresh
         (a resumed attempt keeps the killed one's), the checkpoint folder it resumed from (a Path, or
         None) as the tag `rlhf.resumed_from`, no step logged twice (`skip_logged_steps`), and the
-        calls a dead attempt left queued (`pending_calls.pkl`) delivered."""
+        calls a dead attempt left queued (`pending_calls.json`) delivered."""
         if resumed_from is None:
             self.log_params(params)
         self.set_tags({RESUMED_FROM_TAG: resumed_from.name if resumed_from else "none"})
