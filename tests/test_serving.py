@@ -163,7 +163,8 @@ def test_runs_lists_stages_status_and_headline_metrics(stack, runs):
     assert re.search(r"\n  ppo +reused +" + tracking.outputs_of(runs["full"])["ppo_run"], blocks[runs["skipped"]])
     number = r"-?[\d.]+(?:e-?\d+)?"  # the paired score delta comes with its interval
     assert re.search(rf"\n  ppo +deployed .*eval/score {number} → {number} +eval/score_delta {number} "
-                     rf"\[{number}, {number}\] +eval/kl ", blocks[runs["full"]]), blocks[runs["full"]]
+                     rf"\[{number}, {number}\] +eval/score_delta_lc {number} \[{number}, {number}\] +eval/kl ",
+                     blocks[runs["full"]]), blocks[runs["full"]]
     assert re.search(r"\n  reward +FINISHED .*eval/accuracy ", blocks[runs["full"]])
 
 
