@@ -323,7 +323,7 @@ def _judge_columns(row: dict, runs: list[ArmResult], judge: str, level: float) -
     judged = [final_judged(r) for r in runs]
     for name, column in ((f"eval/judge/{judge}/net_win", f"judge {judge} net win"),
                          (f"eval/judge/{judge}/net_win_lc", f"judge {judge} net win, length-controlled"),
-                         ("eval/score_delta_lc", "score Δ, length-controlled")):
+                         (f"eval/judge/{judge}/score_delta_lc", "score Δ, length-controlled")):
         if column.endswith("net win") or any(name in m for m in judged):
             row[column] = _across_seeds(runs, [m.get(name) for m in judged], level, _with_ci(judged[0], name))
     accuracy = f"eval/judge/{judge}/accuracy"

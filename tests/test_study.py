@@ -154,6 +154,9 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     gold_std = rm_metrics["gold"]["eval/score_std"]  # the table's gold deltas are in the gold RM's std
     assert "across 2 seeds" in row and f"{seeds[0] / gold_std:+.3f}" in row and "judge gold net win" in text
     assert "gold Δ − best-of-n's at the arm's KL" in text.replace("second RM Δ", "gold Δ")
+    # each judge's accuracy on labelled held-out pairs and the length-controlled numbers beside the raw ones
+    assert all(column in text for column in ("judge gold accuracy", "judge gold net win, length-controlled",
+                                             "score Δ, length-controlled"))
     assert any(line.startswith("| best-of-4 | 2 | n = 4 |") for line in text.splitlines())
     arms = [name for name in runs if name not in ("chain", "gold")]
     points = studies.overoptimisation_points(studies.collect(study_id, arms, "gold"))
@@ -253,7 +256,7 @@ def test_the_table_shows_the_judges_accuracy_and_length_controlled_numbers_the_e
     metrics = {"eval/judge/gold/net_win": 0.1, "eval/judge/gold/accuracy": 0.555, "eval/judge/gold/accuracy_ci_low": 0.468,
                "eval/judge/gold/accuracy_ci_high": 0.638, "eval/judge/gold/can_judge": 0.0,
                "eval/judge/gold/net_win_lc": 0.05, "eval/judge/gold/net_win_lc_ci_low": -0.1,
-               "eval/judge/gold/net_win_lc_ci_high": 0.2, "eval/score_delta_lc": 0.3}
+               "eval/judge/gold/net_win_lc_ci_high": 0.2, "eval/judge/gold/score_delta_lc": 0.3}
     row = studies.table([_ppo_arm("ppo-max", {"eval/kl": 1.0}, metrics, registered=16)], "gold").iloc[0].to_dict()
     assert row["judge gold accuracy"] == "0.555 [0.468, 0.638]; cannot judge"
     assert row["judge gold net win, length-controlled"] == "+0.050 [-0.100, +0.200]"
