@@ -15,7 +15,6 @@ DeepSpeed engines, with the manifest check and the full-disk error that a resume
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from safetensors.torch import load_file
+
+from stages.loading import file_sha256
 
 
 MANIFEST = "manifest.json"
@@ -39,14 +40,6 @@ class DiskFullError(RuntimeError):
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 # A write that failed with less than this free on its filesystem failed for want of space.
 FULL_BELOW_BYTES = 64 * 2**20
-
-
-def file_digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
 
 
 def _save_file(path: Path, write) -> None:
@@ -176,7 +169,7 @@ def _write(tmp: Path, number: int, engines: dict, state: dict, dist) -> None:
     if dist.is_main:
         _save_file(tmp / STATE, lambda out: torch.save(state, out))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {"number": number, "files": {str(p.relative_to(tmp)): file_digest(p) for p in files}}
+        manifest = {"number": number, "files": {str(p.relative_to(tmp)): file_sha256(p) for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
@@ -186,7 +179,7 @@ def verified(folder: Path) -> bool:
         return False
     try:
         manifest = json.loads(manifest_path.read_text())
-        return all((folder / name).exists() and file_digest(folder / name) == digest
+        return all((folder / name).exists() and file_sha256(folder / name) == digest
                    for name, digest in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return False
