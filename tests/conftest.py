@@ -131,3 +131,33 @@ def tiny(hh_file):
     tokenizer = load_tokenizer(folder, cfg.model)
     prompts = encode_prompts(tokenizer, pairs[:256], 64)
     return folder, tokenizer, prompts
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny, tmp_path_factory):
+    """A reward model on the tiny preset's model (random head, seed 0), saved as the reward stage saves one."""
+    import torch  # deferred: conftest loads before any test needs torch
+
+    from stages.config import load_config
+    from stages.loading import load_model
+    from stages.reward.model import RewardModel, save_reward_model
+
+    folder, tokenizer, _ = tiny
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("rm")
+    save_reward_model(RewardModel(load_model(folder, load_config("tiny").model)), tokenizer, out, {"role": "reward"})
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def splits_outputs():
+    """The tiny preset's data stage, run once per module in its own pipeline run: its outputs."""
+    from stages import tracking
+    from stages.config import load_config
+    from stages.launch import execute
+
+    cfg = load_config("tiny")
+    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    outputs = execute("data", cfg, pipeline.run_id, {})
+    pipeline.finish("FINISHED")
+    return outputs

@@ -10,15 +10,6 @@ from stages.config import load_config
 from stages.launch import execute
 
 
-@pytest.fixture(scope="module")
-def splits_outputs():
-    cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
-    outputs = execute("data", cfg, pipeline.run_id, {})
-    pipeline.finish("FINISHED")
-    return outputs
-
-
 def test_sft_on_two_deepspeed_ranks(splits_outputs):
     cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.epochs=1",
                                "model.gradient_checkpointing=true"])

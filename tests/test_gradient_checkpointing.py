@@ -10,9 +10,7 @@ import torch
 from stages import model_loading
 from stages.config import ConfigError, load_config, upgrade_recorded
 from stages.launch import Dist
-from stages.loading import load_model
 from stages.logprobs import token_logprobs
-from stages.reward.model import RewardModel, save_reward_model
 from stages.sft import response_nll
 from stages.rendering import collate
 
@@ -78,15 +76,6 @@ def test_reward_model_checkpointed_has_the_same_loss_and_gradients(tiny):
         model = model_loading.trained_reward_model(folder, cfg.model, "cpu")
         results.append(loss_gradients_and_saved(model, loss_of))
     assert_same(*results)
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny, tmp_path_factory):
-    folder, tokenizer, _ = tiny
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("rm")
-    save_reward_model(RewardModel(load_model(folder, load_config("tiny").model)), tokenizer, out, {"role": "reward"})
-    return str(out)
 
 
 def test_ppo_actor_and_critic_checkpointed_have_the_same_losses_and_gradients(tiny, reward_model_dir):

@@ -14,7 +14,6 @@ from stages.config import load_config
 from stages.launch import Dist
 from stages.loading import load_model
 from stages.ppo.experience import response_logits
-from stages.reward.model import RewardModel, save_reward_model
 from stages.sft import response_nll
 from stages.rendering import collate
 from stages.training import adamw, linear_warmup, make_engine, trained_model
@@ -61,15 +60,6 @@ def test_a_lora_reward_model_trains_its_adapters_and_head_only(tiny):
     moved = changed(before, model)
     assert {"score_head.weight", "score_head.bias"} <= moved
     assert all("lora_" in name or name.startswith("score_head.") for name in moved)
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tiny, tmp_path_factory):
-    folder, tokenizer, _ = tiny
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("rm")
-    save_reward_model(RewardModel(load_model(folder, load_config("tiny").model)), tokenizer, out, {"role": "reward"})
-    return str(out)
 
 
 def test_the_reference_is_the_actor_without_its_adapters(tiny, reward_model_dir):

@@ -18,15 +18,6 @@ RANKS = ["sft.launch.world_size=2", "sft.max_steps=2", "sft.epochs=1", "sft.prob
          "sft.heldout_prompts=8", "sft.lr=1e-3"]
 
 
-@pytest.fixture(scope="module")
-def splits_outputs():
-    cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
-    outputs = execute("data", cfg, pipeline.run_id, {})
-    pipeline.finish("FINISHED")
-    return outputs
-
-
 def trained_weights(splits_outputs, tmp_path: Path, *overrides: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The SFT model two ranks trained for two steps, and its stage run's params."""
     cfg = load_config("tiny", [*RANKS, *overrides])
