@@ -117,6 +117,12 @@ def probe_frame(answers: pd.DataFrame, judged: pd.DataFrame) -> pd.DataFrame:
                                                   "score_sft": float})
 
 
+def token_counts(tokenizer, texts: list[str]) -> list[int]:
+    """Each answer's length in tokens, re-tokenised from its text: what the length-controlled numbers
+    regress on."""
+    return [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+
+
 def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dict], answering: bool,
                      device: str, stop_point=lambda where: None, tasks=None
                      ) -> tuple[pd.DataFrame, dict[str, list[str]], float, dict[str, dict]]:
@@ -152,8 +158,7 @@ def score_and_answer(cfg: PipelineConfig, models: dict[str, str], rows: list[dic
             responses[name], responses[f"{name}_ended"] = respond(model, tokenizer, rows, cfg, device)
             # Each answer's length in tokens (the SFT tokenizer's, which both models share): the
             # length-controlled numbers regress on it.
-            responses[f"{name}_tokens"] = [len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                                           for text in responses[name]]
+            responses[f"{name}_tokens"] = token_counts(tokenizer, responses[name])
             print(f"eval: {name} answered {len(rows)} eval prompts ({time.perf_counter() - t:.0f} s)")
     return (pd.concat(answers, ignore_index=True) if answers else pd.DataFrame()), responses, seconds, lm_eval
 
@@ -286,7 +291,7 @@ def judge_final_policy(cfg: PipelineConfig, inputs: dict, rows: list[dict], resp
     stop_point("before the final policy answered the eval prompts")
     model, tokenizer = frozen_lm(inputs["final_policy_model_dir"], cfg.model, device)
     final, final_ended = respond(model, tokenizer, rows, cfg, device)
-    final_tokens = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in final]
+    final_tokens = token_counts(tokenizer, final)
     del model
     answers = {**responses, "final": final, "final_ended": final_ended, "final_tokens": final_tokens}
     judged, _ = judge_all(cfg, inputs, answer_pairs(rows, answers, "final"), device, stop_point, qualities)
