@@ -32,6 +32,7 @@ from mlflow.entities import Metric
 from stages import registry, stats, tracking
 from stages.config import PipelineConfig
 from stages.evaluate import report
+from stages.reward.report import PAIR_OUTCOMES
 from stages.tags import (ARMS_TAG, ARM_KIND_TAG, BEST_OF_N_TAG, CHAMPION_TAG, CONFIG_HASH_TAG, GIT_COMMIT_TAG,
                          FINAL_ITERATION_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG, STUDY_OVERRIDES_TAG,
                          STUDY_PRESET_TAG)
@@ -483,23 +484,85 @@ def figure(results: list[ArmResult], path: Path, title: str) -> None:
     fig.savefig(path)
 
 
+@dataclass(frozen=True)
+class SamePairs:
+    """The gold and the proxy RM on the same held-out pairs (the proxy's, which the gold RM never
+    trains on), matched by pair identity: each one's accuracy with its Wilson interval, gold −
+    proxy with its paired bootstrap interval over the pairs, and the pairs only one ranks right."""
+
+    proxy: stats.Interval
+    gold: stats.Interval
+    difference: stats.Interval
+    gold_only: int  # pairs the gold RM ranks right and the proxy wrong
+    proxy_only: int
+
+    @classmethod
+    def compare(cls, proxy: pd.DataFrame, gold: pd.DataFrame, level: float) -> "SamePairs | None":
+        """From the two reward stages' per-pair outcomes (PAIR_OUTCOMES: the proxy's on its held-out
+        pairs, the gold RM's on its own and on the proxy's); None when they share no pair. A pair's
+        identity holds its prompt, and no prompt is in two splits: the pairs both scored are the
+        proxy's held-out pairs."""
+        both = proxy.drop_duplicates("pair").merge(gold.drop_duplicates("pair"), on="pair", suffixes=("_proxy", "_gold"))
+        if both.empty:
+            return None
+        right_proxy, right_gold = (both[f"correct_{rm}"].to_numpy(dtype=int) for rm in ("proxy", "gold"))
+        n = len(both)
+        return cls(stats.wilson(int(right_proxy.sum()), n, level), stats.wilson(int(right_gold.sum()), n, level),
+                   stats.paired_delta(right_gold, right_proxy, level),
+                   int(np.sum(right_gold > right_proxy)), int(np.sum(right_proxy > right_gold)))
+
+    def metrics(self) -> dict[str, float]:
+        """The study run's metrics: `<run>/eval/same_pairs/accuracy` of both RMs' pipeline runs
+        (`chain`, `gold`), and `gold/eval/same_pairs/accuracy_delta` (gold − proxy) with its interval."""
+        prefix = "eval/same_pairs/accuracy"
+        return {f"{CHAIN}/{prefix}": self.proxy.estimate, f"{GOLD}/{prefix}": self.gold.estimate,
+                **self.difference.metrics(f"{GOLD}/{prefix}_delta")}
+
+    def sentence(self) -> str:
+        def accuracy(interval: stats.Interval) -> str:
+            return f"{interval.estimate:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+        noise = "" if self.difference.excludes_zero() else "; the interval holds 0"
+        return (f"On the same {self.difference.n} pairs (the proxy's held-out pairs, which the gold RM never trains "
+                f"on): gold RM accuracy {accuracy(self.gold)}, proxy {accuracy(self.proxy)}, gold − proxy "
+                f"{self.difference} (paired bootstrap over the pairs; only the gold RM right on {self.gold_only}, only "
+                f"the proxy on {self.proxy_only}{noise})")
+
+
+def pair_outcome_table(stage_run_id: str) -> pd.DataFrame | None:
+    """A reward stage run's per-pair outcomes (PAIR_OUTCOMES), or None where it logged none."""
+    folder, _ = PAIR_OUTCOMES.rsplit("/", 1)
+    if PAIR_OUTCOMES not in {a.path for a in tracking.client().list_artifacts(stage_run_id, folder)}:
+        return None
+    return pd.read_json(tracking.download(f"runs:/{stage_run_id}/{PAIR_OUTCOMES}"), orient="split")
+
+
 @dataclass
 class RewardModels:
     """The study's two reward models as the table reads them: each one's held-out accuracy (with
-    its interval) and score std, from its reward stage's run."""
+    its interval) and score std, from its reward stage's run, and the two on the same pairs."""
 
     proxy: dict[str, float]
     gold: dict[str, float]  # {} without a gold RM
     gold_run: str | None = None
     controlled: bool = False  # `study.gold_relabels`: the proxy learned the gold RM's labels
+    same_pairs: SamePairs | None = None  # None: no gold RM, the controlled setting, or no per-pair outcomes
 
     @classmethod
-    def read(cls, chain_run: str | None, gold_run: str | None, controlled: bool = False) -> "RewardModels":
-        def reward_metrics(run_id: str | None) -> dict[str, float]:
+    def read(cls, chain_run: str | None, gold_run: str | None, controlled: bool = False,
+             level: float = 0.95) -> "RewardModels":
+        def reward_stage(run_id: str | None) -> str | None:
             stage = tracking.recorded_stages(tracking.client().get_run(run_id)).get("reward") if run_id else None
-            return tracking.client().get_run(stage[1]).data.metrics if stage else {}
+            return stage[1] if stage else None
 
-        return cls(reward_metrics(chain_run), reward_metrics(gold_run), gold_run, controlled)
+        proxy_stage, gold_stage = reward_stage(chain_run), reward_stage(gold_run)
+        proxy, gold = ({} if stage is None else tracking.client().get_run(stage).data.metrics
+                       for stage in (proxy_stage, gold_stage))
+        same_pairs = None
+        if proxy_stage and gold_stage and not controlled:  # controlled: the gold RM is the truth, nothing to compare
+            tables = [pair_outcome_table(stage) for stage in (proxy_stage, gold_stage)]
+            same_pairs = SamePairs.compare(*tables, level) if all(t is not None for t in tables) else None
+        return cls(proxy, gold, gold_run, controlled, same_pairs)
 
     def scales(self) -> dict[str, float]:
         """Delta metric → its RM's held-out score std, for both RMs or neither (a table in σ units
@@ -511,14 +574,22 @@ class RewardModels:
 
     def gold_stronger(self) -> bool:
         """Whether the gold RM is gold: the truth by construction in the controlled setting, else only
-        when its held-out accuracy exceeds the proxy's."""
-        return bool(self.gold) and self.controlled or bool(self.gold) and self.gold.get("eval/accuracy", 0.0) > self.proxy.get("eval/accuracy", 1.0)
+        when it ranks more of the same held-out pairs right than the proxy does (gold − proxy > 0);
+        without per-pair outcomes, when its held-out accuracy on its own pairs exceeds the proxy's."""
+        if not self.gold:
+            return False
+        if self.controlled:
+            return True
+        if self.same_pairs is not None:
+            return self.same_pairs.difference.estimate > 0
+        return self.gold.get("eval/accuracy", 0.0) > self.proxy.get("eval/accuracy", 1.0)
 
     def label(self) -> str:
         return "gold" if not self.gold or self.gold_stronger() else "second RM"
 
     def sentence(self) -> str:
-        """What the table says about its RMs: both accuracies, whether the gold RM is gold, the units."""
+        """What the table says about its RMs: both accuracies (on the same pairs where both RMs
+        logged them), whether the gold RM is gold, the units."""
         def accuracy(metrics: dict[str, float]) -> str:
             low, high = metrics.get("eval/accuracy_ci_low", math.nan), metrics.get("eval/accuracy_ci_high", math.nan)
             return f"{metrics.get('eval/accuracy', math.nan):.3f} [{low:.3f}, {high:.3f}]"
@@ -536,11 +607,18 @@ class RewardModels:
                     f"`{self.gold_run}`, held-out accuracy {accuracy(self.gold)} on human labels) labelled the "
                     f"proxy's pairs ({swapped}), so it is the truth here; the proxy RM's held-out accuracy "
                     f"{accuracy(self.proxy)} is its agreement with the gold RM." + units)
+        own = (f" Proxy RM held-out accuracy {accuracy(self.proxy)}. Gold RM (pipeline run `{self.gold_run}`, trained "
+               f"on pairs disjoint from the proxy's): held-out accuracy {accuracy(self.gold)}")
+        second = ("it is no gold standard, and the table calls it the second RM; its verdicts are one more RM's "
+                  "opinion, not the truth the proxy is measured against")
+        if self.same_pairs is not None:
+            verdict = ("the gold RM is ahead: it is the gold standard here" if self.gold_stronger() else
+                       f"the gold RM is NOT ahead of the proxy: {second}")
+            return f"{own} on its own pairs. {self.same_pairs.sentence()}: {verdict}." + units
         verdict = ("above the proxy's: it is the gold standard here" if self.gold_stronger() else
-                   "NOT above the proxy's: it is no gold standard, and the table calls it the second RM; its "
-                   "verdicts are one more RM's opinion, not the truth the proxy is measured against")
-        return (f" Proxy RM held-out accuracy {accuracy(self.proxy)}. Gold RM (pipeline run `{self.gold_run}`, trained "
-                f"on pairs disjoint from the proxy's): held-out accuracy {accuracy(self.gold)}, {verdict}." + units)
+                   f"NOT above the proxy's: {second}")
+        return (f"{own}, {verdict}. The two accuracies are on different pairs (a reward stage run logged no per-pair "
+                f"outcomes on the proxy's held-out pairs): the comparison is not paired." + units)
 
 
 def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run: str | None,
@@ -568,18 +646,18 @@ def markdown(study_id: str, frame: pd.DataFrame, cfg: PipelineConfig, chain_run:
 
 
 def _results(study_id: str, cfg: PipelineConfig, arms: list[str]
-             ) -> tuple[list[ArmResult], pd.DataFrame, str, str, dict[str, float]]:
-    """(the arms' results, the table, the judge it reads, its markdown, the RMs' scales), all from MLflow."""
+             ) -> tuple[list[ArmResult], pd.DataFrame, str, str, "RewardModels"]:
+    """(the arms' results, the table, the judge it reads, its markdown, the RMs), all from MLflow."""
     runs = arm_runs(study_id)
     gold = runs.get(GOLD) if cfg.study.gold else None
     chain = runs.get(CHAIN)
     judge = GOLD_JUDGE if gold is not None else cfg.eval.judges[0].name if cfg.eval.judges else "reward_model"
     models = RewardModels.read(chain.info.run_id if chain else None, gold.info.run_id if gold else None,
-                               cfg.study.gold_relabels)
+                               cfg.study.gold_relabels, cfg.statistics.ci_level)
     results = collect(study_id, arms, judge)
     frame = table(results, judge, cfg.statistics.ci_level, models.scales(), models.label())
     text = markdown(study_id, frame, cfg, chain.info.run_id if chain else None, models)
-    return results, frame, judge, text, models.scales()
+    return results, frame, judge, text, models
 
 
 def study_report(study_id: str) -> str:
@@ -605,7 +683,8 @@ def study_report(study_id: str) -> str:
 def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> str:
     """The study's figure, table and headline metrics on its run; returns the markdown."""
     mlflow_client = tracking.client()
-    results, frame, judge, text, scales = _results(study_id, cfg, arms)
+    results, frame, judge, text, models = _results(study_id, cfg, arms)
+    scales = models.scales()
     out.mkdir(parents=True, exist_ok=True)
     figure(results, out / "study.png", tracking.study_title(cfg.preset))
     overoptimisation_figure(results, out / "overoptimisation.png", tracking.study_title(cfg.preset), scales)
@@ -632,6 +711,8 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
             if len(values) > 1:
                 metrics += [Metric(f"{arm}/seeds/{key}", value, now, 0) for key, value in
                             stats.across_runs(values, cfg.statistics.ci_level).metrics(name).items()]
+    if models.same_pairs is not None:  # the gold and the proxy RM on the same held-out pairs
+        metrics += [Metric(key, value, now, 0) for key, value in models.same_pairs.metrics().items()]
     for start_at in range(0, len(metrics), 500):
         mlflow_client.log_batch(study_id, metrics=metrics[start_at : start_at + 500])
     mlflow_client.set_terminated(study_id, status="FINISHED")

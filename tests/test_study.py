@@ -13,6 +13,7 @@ from pipeline_helpers import version_tags
 from stages import study_records as studies
 from stages import stats, tracking
 from stages.config import ConfigError, load_config
+from stages.data import pair_digest, read_jsonl
 
 FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
 
@@ -144,12 +145,26 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert (folder / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
     text = (folder / "study.md").read_text()
     assert "Gold RM (pipeline run" in text and "held-out accuracy" in text and "Proxy RM held-out accuracy" in text
-    rm_metrics = {name: client.get_run(tracking.recorded_stages(runs[name])["reward"][1]).data.metrics
-                  for name in ("chain", "gold")}
-    # Gold only if it beats the proxy on held-out accuracy; else the table calls it the second RM.
-    is_gold = rm_metrics["gold"]["eval/accuracy"] > rm_metrics["chain"]["eval/accuracy"]
+    reward_stages = {name: tracking.recorded_stages(runs[name])["reward"][1] for name in ("chain", "gold")}
+    rm_metrics = {name: client.get_run(stage).data.metrics for name, stage in reward_stages.items()}
+    # The gold RM scores the proxy's held-out pairs too (pairs it never trains on), each by its identity.
+    splits = tracking.download(chain["splits"])
+    rm_eval = read_jsonl(splits / "rm_eval.jsonl")[: load_config("tiny").reward.heldout_pairs]
+    assert not {r["prompt"] for r in rm_eval} & {r["prompt"] for r in read_jsonl(splits / "gold_rm_train.jsonl")}
+    keys = [pair_digest(r["prompt"], r["chosen"], r["rejected"]) for r in rm_eval]
+    outcomes = {name: studies.pair_outcome_table(stage) for name, stage in reward_stages.items()}
+    assert outcomes["chain"]["pair"].tolist() == keys and set(outcomes["chain"]["split"]) == {"rm_eval"}
+    on_proxy_pairs = outcomes["gold"][outcomes["gold"]["split"] == "rm_eval"]
+    assert on_proxy_pairs["pair"].tolist() == keys and rm_metrics["gold"]["eval/rm_eval/pairs"] == len(keys)
+    gold_accuracy, proxy_accuracy = rm_metrics["gold"]["eval/rm_eval/accuracy"], rm_metrics["chain"]["eval/accuracy"]
+    assert on_proxy_pairs["correct"].mean() == pytest.approx(gold_accuracy)
+    # Gold only if it ranks more of the same pairs right than the proxy; else the table calls it the second RM.
+    assert f"On the same {len(keys)} pairs" in text and f"gold RM accuracy {gold_accuracy:.3f} [" in text
+    assert f"proxy {proxy_accuracy:.3f} [" in text and "gold − proxy " in text
+    is_gold = gold_accuracy > proxy_accuracy
     assert ("it is the gold standard here" in text, "gold score Δ vs SFT" in text) == (is_gold, is_gold)
-    assert ("NOT above the proxy's" in text, "second RM score Δ vs SFT" in text) == (not is_gold, not is_gold)
+    assert ("NOT ahead of the proxy" in text, "second RM score Δ vs SFT" in text) == (not is_gold, not is_gold)
+    assert summary["gold/eval/same_pairs/accuracy_delta"] == pytest.approx(gold_accuracy - proxy_accuracy)
     row = next(line for line in text.splitlines() if line.startswith("| ppo-max |"))
     gold_std = rm_metrics["gold"]["eval/score_std"]  # the table's gold deltas are in the gold RM's std
     assert "across 2 seeds" in row and f"{seeds[0] / gold_std:+.3f}" in row and "judge gold net win" in text

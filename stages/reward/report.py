@@ -37,3 +37,19 @@ def worst_pairs(rows: list[dict], r_chosen: np.ndarray, r_rejected: np.ndarray, 
         "r_rejected": r_rejected[worst],
         "margin": margins[worst],
     })
+
+
+# The reward stage's outcome on every pair it is evaluated on, one row a pair: `pair` (the pair's
+# identity, stages.data.pair_digest of its prompt and answers as the split holds them), `split`,
+# both scores, the margin and whether it ranked the chosen answer first. Two reward models scored
+# on the same split compare pair by pair on it (a study's gold and proxy RM on rm_eval).
+PAIR_OUTCOMES = "eval/pair_outcomes.json"
+PAIR_OUTCOME_COLUMNS = ["pair", "split", "r_chosen", "r_rejected", "margin", "correct"]
+
+
+def pair_outcomes(keys: list[str], split: str, r_chosen: np.ndarray, r_rejected: np.ndarray) -> pd.DataFrame:
+    """The PAIR_OUTCOMES rows of one split's scored pairs (`keys`: their identities, in order)."""
+    margins = np.asarray(r_chosen, dtype=float) - np.asarray(r_rejected, dtype=float)
+    return pd.DataFrame({"pair": list(keys), "split": split, "r_chosen": np.asarray(r_chosen, dtype=float),
+                         "r_rejected": np.asarray(r_rejected, dtype=float), "margin": margins,
+                         "correct": (margins > 0).astype(int)}, columns=PAIR_OUTCOME_COLUMNS)

@@ -15,7 +15,7 @@ import torch
 
 from stages import lifecycle, loading, precision, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
-from stages.data import RM_SPLITS, read_jsonl
+from stages.data import RM_SPLITS, pair_digest, read_jsonl
 from stages.dist import Dist
 from stages.model_loading import save_adapter, trained_reward_model
 from stages.losses import RewardLoss, pairwise_loss, reward_model_loss
@@ -24,7 +24,7 @@ from stages.rendering import collate, count_cut, encode_example
 from stages.reward.batching import PairBatchSampler
 from stages.reward.model import load_reward_model, save_reward_model
 from stages.reward.pyfunc import scorer_pack
-from stages.reward.report import margin_histogram, worst_pairs
+from stages.reward.report import PAIR_OUTCOMES, margin_histogram, pair_outcomes, worst_pairs
 from stages.training import adamw, cosine_with_warmup, make_engine, trained_model
 from stages.tags import (HELDOUT_ACCURACY_CI_HIGH_TAG, HELDOUT_ACCURACY_CI_LOW_TAG, HELDOUT_ACCURACY_TAG,
                          HELDOUT_PAIRS_TAG, SCORE_MEAN_TAG, SCORE_STD_TAG)
@@ -141,6 +141,27 @@ def relabelled(rows: list[dict], folder: str, cfg: PipelineConfig, tokenizer, pa
              for row, swapped in zip(rows, swap)], int(swap.sum()))
 
 
+def read_rm_splits(rm: RewardConfig, splits_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(training pairs, held-out pairs, the proxy's held-out pairs) of `reward.pairs`. A gold RM
+    (`gold`) is evaluated on the proxy's held-out pairs (rm_eval) too, the first `heldout_pairs`
+    as the proxy is, so a study compares the two RMs on the same pairs; the data stage's splits
+    hold disjoint prompts, and a pair whose prompt the gold RM trains on is left out all the same.
+    The proxy's own held-out pairs are its held-out split: the third list is empty."""
+    train_split, heldout_split = RM_SPLITS[rm.pairs]
+    train_rows, heldout_rows = ((read_jsonl(path) if path.exists() else []) for path in
+                                (splits_dir / f"{train_split}.jsonl", splits_dir / f"{heldout_split}.jsonl"))
+    if not train_rows or not heldout_rows:
+        raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the "
+                          f"data stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set "
+                          f"data.splits.{train_split} and data.splits.{heldout_split}")
+    proxy_rows = []
+    proxy_path = splits_dir / f"{RM_SPLITS['proxy'][1]}.jsonl"
+    if rm.pairs != "proxy" and proxy_path.exists():
+        trained = {row["prompt"] for row in train_rows}
+        proxy_rows = [row for row in read_jsonl(proxy_path)[: rm.heldout_pairs] if row["prompt"] not in trained]
+    return train_rows, heldout_rows[: rm.heldout_pairs], proxy_rows
+
+
 def step_totals(loss: RewardLoss, r_chosen: torch.Tensor, r_rejected: torch.Tensor,
                 batch: dict[str, torch.Tensor]) -> list[float]:
     """This rank's sums for the step's metrics (summed over ranks before they are logged)."""
@@ -173,14 +194,11 @@ class RewardTraining(lifecycle.TrainingStage):
         loading.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 
-        train_split, heldout_split = RM_SPLITS[rm.pairs]
-        train_rows, heldout_rows = ((read_jsonl(path) if path.exists() else []) for path in
-                                    (splits_dir / f"{train_split}.jsonl", splits_dir / f"{heldout_split}.jsonl"))
-        if not train_rows or not heldout_rows:
-            raise ConfigError(f"reward.pairs={rm.pairs} reads the {train_split} and {heldout_split} splits, and the "
-                              f"data stage wrote {len(train_rows)} and {len(heldout_rows)} pairs: set "
-                              f"data.splits.{train_split} and data.splits.{heldout_split}")
-        heldout_rows, swapped = heldout_rows[: rm.heldout_pairs], {}
+        train_rows, heldout_rows, self.proxy_rows = read_rm_splits(rm, splits_dir)
+        # A pair's identity is the split's pair, whatever labels the relabelling gives it.
+        self.heldout_keys, self.proxy_keys = ([pair_digest(r["prompt"], r["chosen"], r["rejected"]) for r in rows]
+                                              for rows in (heldout_rows, self.proxy_rows))
+        swapped = {}
         if "labels_from_dir" in inputs:  # Gao et al.'s synthetic labels: the labelling RM is the truth
             (train_rows, swapped["train"]), (heldout_rows, swapped["heldout"]) = (
                 relabelled(rows, inputs["labels_from_dir"], cfg, self.tokenizer, self.pad_id, dist)
@@ -188,6 +206,7 @@ class RewardTraining(lifecycle.TrainingStage):
         self.heldout_rows = heldout_rows
         self.train_set = encode_pairs(self.tokenizer, train_rows, rm.max_seq_len, rm.max_response_len)
         self.heldout = encode_pairs(self.tokenizer, self.heldout_rows, rm.max_seq_len, rm.max_response_len)
+        self.proxy_heldout = encode_pairs(self.tokenizer, self.proxy_rows, rm.max_seq_len, rm.max_response_len)
         self.sampler, self.heldout_sampler = make_sampler(rm, self.train_set, dist), make_sampler(rm, self.heldout, dist)
         self.total = self.sampler.steps_per_epoch * rm.epochs
         if rm.max_steps:
@@ -246,11 +265,27 @@ class RewardTraining(lifecycle.TrainingStage):
             "train/skipped_steps": self.guard.skipped,
         }
 
+    def on_proxy_pairs(self) -> tuple[dict[str, float], pd.DataFrame]:
+        """A gold RM on the proxy's held-out pairs: its accuracy there with its Wilson interval, the
+        pair count and the mean margin (eval/rm_eval/...), and each pair's outcome."""
+        split = RM_SPLITS["proxy"][1]
+        sampler = make_sampler(self.rm, self.proxy_heldout, self.dist)
+        scores = score_heldout(self.engine.module, self.proxy_heldout, sampler, self.pad_id, 0.0, self.dist)
+        accuracy = stats.wilson(int(np.sum(scores.margins > 0)), len(scores.margins), self.cfg.statistics.ci_level)
+        metrics = {**accuracy.metrics(f"eval/{split}/accuracy"), f"eval/{split}/pairs": float(len(scores.margins)),
+                   f"eval/{split}/margin": float(np.mean(scores.margins))}
+        return metrics, pair_outcomes(self.proxy_keys, split, scores.r_chosen, scores.r_rejected)
+
     def finish(self) -> lifecycle.Finish:
         engine, heldout = self.engine, self.heldout
         scores = score_heldout(engine.module, heldout, self.heldout_sampler, self.pad_id, self.rm.beta_rm, self.dist)
         metrics = scores.metrics(self.cfg.statistics.ci_level)
         engine.module.score_mean, engine.module.score_std = metrics["eval/score_mean"], metrics["eval/score_std"]
+        outcomes = [pair_outcomes(self.heldout_keys, RM_SPLITS[self.rm.pairs][1], scores.r_chosen, scores.r_rejected)]
+        if self.proxy_heldout:
+            proxy_metrics, proxy_outcomes = self.on_proxy_pairs()
+            metrics.update(proxy_metrics)
+            outcomes.append(proxy_outcomes)
 
         def report(tracker) -> None:
             histogram = tracker.workdir / "margin_histogram.png"
@@ -258,6 +293,7 @@ class RewardTraining(lifecycle.TrainingStage):
             tracker.log_artifact(histogram, "eval")
             tracker.log_table(worst_pairs(self.heldout_rows, scores.r_chosen, scores.r_rejected, WORST_PAIRS),
                               "eval/worst_pairs.json")
+            tracker.log_table(pd.concat(outcomes, ignore_index=True), PAIR_OUTCOMES)
 
         def save(out: Path) -> None:
             model = trained_model(engine)
