@@ -9,7 +9,8 @@ guard's breaches marked), the overoptimisation figure (Gao et al. 2022, Fig. 1: 
 score against √KL to SFT, every arm), the table of final numbers with their confidence intervals
 (across seeds where an arm has several), and each arm's headline numbers as metrics
 `<arm>/<name>` so MLflow's compare view lines them up. With `study.gold` a second pipeline run,
-`gold`, trains the gold RM on the chain's gold pairs; best-of-n arms (stages/best_of_n.py) are
+`gold`, trains the gold RM on the chain's gold pairs and scores the proxy's held-out pairs with it,
+so the two RMs compare pair by pair (`SamePairs`); best-of-n arms (stages/best_of_n.py) are
 runs of their own, tagged `rlhf.arm_kind=best_of_n`.
 """
 

@@ -327,3 +327,79 @@ def test_the_controlled_setting_trains_the_proxy_on_the_gold_rms_labels(prefect_
     text = tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
     assert "Controlled setting (`study.gold_relabels`" in text and f"({train:.0f} training and" in text
     assert "gold score Δ vs SFT" in text  # the gold RM is the truth by construction
+
+
+def _reward_pipeline_run(name: str, metrics: dict[str, float], outcomes: list["pd.DataFrame"] | None) -> str:
+    """A pipeline run whose reward stage's run holds `metrics` and (unless None) the per-pair
+    outcomes the reward stage logs, in the real MLflow store; its id."""
+    import pandas as pd
+
+    from stages.reward.report import PAIR_OUTCOMES
+    from stages.tags import STAGE_TAG_PREFIX
+
+    client = tracking.client()
+    experiment = tracking.experiment_id(client, "same-pairs")
+    stage = client.create_run(experiment, run_name=f"{name} · reward")
+    for key, value in metrics.items():
+        client.log_metric(stage.info.run_id, key, value)
+    if outcomes is not None:
+        client.log_table(stage.info.run_id, data=pd.concat(outcomes, ignore_index=True), artifact_file=PAIR_OUTCOMES)
+    client.set_terminated(stage.info.run_id)
+    pipeline = client.create_run(experiment, run_name=name,
+                                 tags={f"{STAGE_TAG_PREFIX}reward": f"ran:{stage.info.run_id}"})
+    client.set_terminated(pipeline.info.run_id)
+    return pipeline.info.run_id
+
+
+def _rm_metrics(accuracy: float, n: int) -> dict[str, float]:
+    return {**stats.wilson(round(accuracy * n), n).metrics("eval/accuracy"), "eval/score_std": 1.0}
+
+
+def test_the_gold_rm_is_gold_only_when_it_ranks_more_of_the_same_pairs_right():
+    """The gold and the proxy RM compared pair by pair on the proxy's held-out pairs, matched by
+    pair identity: a gold RM with the higher accuracy on its own easier pairs but fewer of the
+    same pairs right is the second RM; one behind on its own pairs but ahead on the same ones is
+    gold. The sentence above the table gives both accuracies on the same pairs and the paired
+    difference with its interval."""
+    from stages.reward.report import pair_outcomes
+
+    keys = [f"pair-{k}" for k in range(40)]
+    proxy_right = np.array([1] * 30 + [0] * 10)  # 0.750 on its 40 held-out pairs
+    proxy = [pair_outcomes(list(reversed(keys)), "rm_eval", proxy_right[::-1] - 0.5, np.zeros(40))]
+    chain = _reward_pipeline_run("chain", _rm_metrics(0.75, 40), proxy)
+
+    def gold_run(right_on_proxy_pairs: np.ndarray, own_accuracy: float) -> str:
+        own = pair_outcomes([f"gold-{k}" for k in range(20)], "gold_rm_eval", np.ones(20), np.zeros(20))
+        on_proxy_pairs = pair_outcomes(keys, "rm_eval", right_on_proxy_pairs - 0.5, np.zeros(40))
+        return _reward_pipeline_run("gold", _rm_metrics(own_accuracy, 20), [own, on_proxy_pairs])
+
+    weaker = np.array([1] * 20 + [0] * 16 + [1] * 4)  # 24 of 40: right on 4 the proxy misses, wrong on 10 it gets
+    models = studies.RewardModels.read(chain, gold_run(weaker, 0.9))
+    assert models.label() == "second RM"
+    difference = stats.paired_delta(weaker, proxy_right)
+    assert difference.estimate == pytest.approx(-0.15)
+    text = models.sentence()
+    gold_acc, proxy_acc = stats.wilson(24, 40), stats.wilson(30, 40)
+    assert (f"On the same 40 pairs (the proxy's held-out pairs, which the gold RM never trains on): gold RM accuracy "
+            f"0.600 [{gold_acc.low:.3f}, {gold_acc.high:.3f}], proxy 0.750 [{proxy_acc.low:.3f}, {proxy_acc.high:.3f}], "
+            f"gold − proxy {difference} (paired bootstrap over the pairs; only the gold RM right on 4, only the proxy "
+            f"on 10") in text
+    assert "the gold RM is NOT ahead of the proxy" in text
+    frame = studies.table([_ppo_arm("ppo-max", {"eval/gold_score_delta": 0.2, "eval/kl": 1.0}, {}, registered=16)],
+                          "gold", scales=models.scales(), gold=models.label())
+    assert "second RM score Δ vs SFT" in frame.columns
+    assert text in studies.markdown("s", frame, load_config("tiny"), chain, models)
+    assert models.same_pairs.metrics()["gold/eval/same_pairs/accuracy_delta"] == pytest.approx(-0.15)
+
+    stronger = np.array([1] * 30 + [1] * 5 + [0] * 5)  # 35 of 40: ahead on the same pairs, behind on its own
+    models = studies.RewardModels.read(chain, gold_run(stronger, 0.6))
+    assert models.label() == "gold" and "the gold RM is ahead: it is the gold standard here" in models.sentence()
+    assert models.same_pairs.gold.estimate == 0.875 and models.same_pairs.proxy.estimate == 0.75
+
+    # A reward stage run without per-pair outcomes: the accuracies on different pairs, said so.
+    unpaired = studies.RewardModels.read(chain, _reward_pipeline_run("gold", _rm_metrics(0.9, 20), None))
+    assert unpaired.same_pairs is None and unpaired.label() == "gold"
+    assert "the comparison is not paired" in unpaired.sentence()
+    # The controlled setting: the gold RM is the truth by construction, nothing to compare.
+    controlled = studies.RewardModels.read(chain, gold_run(weaker, 0.9), controlled=True)
+    assert controlled.same_pairs is None and controlled.label() == "gold"

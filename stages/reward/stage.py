@@ -1,6 +1,7 @@
 """The reward stage: a reward model from the SFT model, trained on rm_train (a gold RM: on
 gold_rm_train, `reward.pairs`) with the pairwise + LM loss in dynamic token batches, evaluated on
-rm_eval (gold_rm_eval), saved and registered as <prefix>-reward."""
+rm_eval (gold_rm_eval, and rm_eval too, so a study compares it with the proxy on the same pairs),
+each pair's outcome logged by its identity, saved and registered as <prefix>-reward."""
 
 from __future__ import annotations
 
