@@ -535,7 +535,9 @@ def pair_outcome_table(stage_run_id: str) -> pd.DataFrame | None:
     folder, _ = PAIR_OUTCOMES.rsplit("/", 1)
     if PAIR_OUTCOMES not in {a.path for a in tracking.client().list_artifacts(stage_run_id, folder)}:
         return None
-    return pd.read_json(tracking.download(f"runs:/{stage_run_id}/{PAIR_OUTCOMES}"), orient="split")
+    # A digest is text, never a number pandas may read one as.
+    return pd.read_json(tracking.download(f"runs:/{stage_run_id}/{PAIR_OUTCOMES}"), orient="split",
+                        dtype={"pair": str, "split": str})
 
 
 @dataclass
