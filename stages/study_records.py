@@ -503,7 +503,8 @@ class SamePairs:
         pairs, the gold RM's on its own and on the proxy's); None when they share no pair. A pair's
         identity holds its prompt, and no prompt is in two splits: the pairs both scored are the
         proxy's held-out pairs."""
-        both = proxy.drop_duplicates("pair").merge(gold.drop_duplicates("pair"), on="pair", suffixes=("_proxy", "_gold"))
+        both = proxy.drop_duplicates("pair").merge(gold.drop_duplicates("pair"), on="pair",
+                                                   suffixes=("_proxy", "_gold"))
         if both.empty:
             return None
         right_proxy, right_gold = (both[f"correct_{rm}"].to_numpy(dtype=int) for rm in ("proxy", "gold"))
