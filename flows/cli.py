@@ -18,7 +18,8 @@ from filelock import FileLock
 from flows import services
 from flows.config_doc import REFERENCE_COMMAND, config_reference, explain
 from flows.supervise import SUPERVISED, die_with_the_supervisor, supervise
-from stages import allocator, interrupt, plan, registry, runs, tracking
+from stages import allocator, interrupt, lineage, plan, registry, runs, tracking, tracking_queue
+from stages.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
 from stages.config import ConfigError, load_config, rlhf_home
 from stages.data import own_source_config, own_sources
 from stages.plan import TRAINING_STAGES
@@ -134,14 +135,14 @@ def _recorded_failure(cfg, resume: str | None, state) -> str | None:
         run = tracking.client().get_run(resume)
     elif state is not None:
         try:
-            run = tracking.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
+            run = lineage.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
         except LookupError:
             return None
     else:
         return None
-    if run.info.status != "FAILED" or tracking.FAILED_STAGE_TAG not in run.data.tags:
+    if run.info.status != "FAILED" or FAILED_STAGE_TAG not in run.data.tags:
         return None
-    return "\n".join(run.data.tags[tracking.DESCRIPTION_TAG].split("\n\n"))
+    return "\n".join(run.data.tags[DESCRIPTION_TAG].split("\n\n"))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -224,7 +225,7 @@ def _study(args: argparse.Namespace) -> int:
 
     _open_stores()
     try:
-        with _quiet_expected_errors((ContractError, ConfigError, tracking.TrackingUnavailable)), _stop_on_signals():
+        with _quiet_expected_errors((ContractError, ConfigError, tracking_queue.TrackingUnavailable)), _stop_on_signals():
             study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume, new_arms=new_arms)
     except CancelledRun as err:
         print(f"rlhf: {err}", file=sys.stderr)
@@ -482,7 +483,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
+    print(runs.format_runs(lineage.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
     return 0
 
 
@@ -519,7 +520,7 @@ def _run(args: argparse.Namespace) -> int:
         # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
         # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
         # The errors named are the expected ones, whose log lines are cut short too.
-        expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable, RewardServerUnavailable)
+        expected = (ContractError, DataError, ModelError, tracking_queue.TrackingUnavailable, RewardServerUnavailable)
         with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
             _open_stores()
             _check_runs_exist(args)
@@ -533,7 +534,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
               f"under contracts/.", file=sys.stderr)
         return 2
-    except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
+    except (tracking_queue.TrackingUnavailable, RewardServerUnavailable) as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 1
     except Exception as err:

@@ -152,12 +152,12 @@ def reward_model_dir(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def splits_outputs():
     """The tiny preset's data stage, run once per module in its own pipeline run: its outputs."""
-    from stages import tracking
+    from stages import run_writers
     from stages.config import load_config
     from stages.launch import execute
 
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["data"])
     outputs = execute("data", cfg, pipeline.run_id, {})
     pipeline.finish("FINISHED")
     return outputs
