@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages import lineage, plan, registry, run_writers  # noqa: E402
-from stages.config import load_config  # noqa: E402
+from stages.config_loading import load_config  # noqa: E402
 from stages.launch import execute  # noqa: E402
 
 

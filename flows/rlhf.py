@@ -21,7 +21,8 @@ from data_contracts import ContractError, check_handoff
 from flows import services
 from stages import lineage, registry, run_writers, runs, tracking, tracking_queue
 from stages.tags import FLOW_RUN_TAG
-from stages.config import PipelineConfig, load_config, rlhf_home
+from stages.config import PipelineConfig, rlhf_home
+from stages.config_loading import load_config
 from stages.interrupt import StageInterrupted
 from stages.launch import StageLaunchError, execute
 

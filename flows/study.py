@@ -24,7 +24,8 @@ from flows import services
 from flows.rlhf import rlhf
 from stages import study_records as studies
 from stages import lineage, tracking
-from stages.config import ConfigError, PipelineConfig, StudyConfig, load_config, rlhf_home
+from stages.config import ConfigError, PipelineConfig, StudyConfig, rlhf_home
+from stages.config_loading import load_config
 
 
 def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:

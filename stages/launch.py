@@ -22,7 +22,8 @@ from pathlib import Path
 from stages import allocator, registry, run_writers, tracking, tracking_queue
 from stages.dist import Dist
 from stages.interrupt import RanksRunning, StageInterrupted
-from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
+from stages.config import ConfigError, PipelineConfig
+from stages.config_loading import DEEPSPEED_DIR, deepspeed_config_path
 
 class StageLaunchError(RuntimeError):
     """The ranks of a stage failed; the message holds the tail of their output."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from stages.config import PipelineConfig, load_config, upgrade_recorded
+from stages.config import PipelineConfig
+from stages.config_loading import load_config, upgrade_recorded
 from stages.tags import (CONTRACT_TAG, FLOW_RUN_TAG, INPUTS_TAG, OUTPUTS_TAG, PIPELINE_TAG, PRESET_TAG, STAGES_TAG,
                          STAGE_TAG, STAGE_TAG_PREFIX)
 from stages.tracking import CONFIG_ARTIFACT, client, experiment_id, fetched

@@ -13,7 +13,7 @@ import yaml
 
 from stages import allocator, lineage, tracking
 from stages.tags import FAILED_STAGE_TAG
-from stages.config import load_config
+from stages.config_loading import load_config
 
 
 def _rlhf(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

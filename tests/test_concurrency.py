@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from stages import lineage, loading, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 
 SMALL = ["--set", "sft.max_steps=2", "--set", "reward.max_steps=2", "--set", "critic.max_steps=2",
          "--set", "ppo.iterations=2", "--set", "ppo.eval_every=1", "--set", "ppo.samples_every=2"]

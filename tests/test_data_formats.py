@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from stages import lineage, tracking
-from stages.config import DataConfig, load_config
+from stages.config import DataConfig
+from stages.config_loading import load_config
 from stages.data import load_pairs, make_splits, parse_pair, read_jsonl
 from stages.loading import DataError
 

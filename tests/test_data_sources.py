@@ -12,7 +12,8 @@ import pytest
 
 from data_contracts import validate
 from stages import lineage, tracking
-from stages.config import ConfigError, DataConfig, load_config
+from stages.config import ConfigError, DataConfig
+from stages.config_loading import load_config
 from stages.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
                          read_own_sources, splits_frame)
 from stages.loading import DataError

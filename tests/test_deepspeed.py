@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stages import lineage, run_writers, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.launch import execute
 
 

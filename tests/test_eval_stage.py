@@ -21,7 +21,7 @@ from eval_helpers import SECRET, JudgeServer
 from leaks import files, leaks, mlflow_texts
 from pipeline_helpers import stage_run
 from stages import lineage, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from stages import lineage, tracking
-from stages.config import REPO_ROOT, load_config
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 from stages.launch import free_port
 from stages.ppo.external_scores import RewardSourceError, batch_texts, post_scores
 

@@ -17,7 +17,8 @@ import pytest
 from pipeline_helpers import TRL_NAMES, MlflowServer, stage_run
 
 from stages import lineage, run_writers, tracking, tracking_queue
-from stages.config import load_config, rlhf_home
+from stages.config import rlhf_home
+from stages.config_loading import load_config
 from stages.launch import execute
 from stages import checkpoint
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ppo_helpers import make_trainer
 
 from stages import lineage, run_writers, sft, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.nonfinite import NonFiniteError
 from stages.launch import execute, free_port
 from stages.training import PlainEngine

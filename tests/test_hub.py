@@ -22,7 +22,7 @@ import pytest
 from conftest import HUB_MIRROR
 from hub_standin import HubStandIn
 from stages import lineage
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.data import load_pairs, make_splits, splits_digest
 from stages.loading import DataError, locate, split_patterns
 
@@ -101,7 +101,7 @@ def test_the_demo_data_stage_downloads_from_the_hub_then_reads_its_cache_offline
 
 CEVAL_PROBE = """
 import json
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.evaluate import ceval
 from stages.loading import DataError
 cfg = load_config("demo").data

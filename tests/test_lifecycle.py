@@ -23,7 +23,7 @@ import torch
 from pipeline_helpers import MlflowServer
 
 from stages import allocator, checkpoint, lifecycle, lineage, precision, registry, run_writers, tracking, tracking_queue
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.launch import execute
 from stages.nonfinite import NonFiniteGuard

@@ -14,7 +14,8 @@ import torch
 
 from pipeline_helpers import stage_run
 from stages import lineage, tracking
-from stages.config import ConfigError, EvalConfig, load_config
+from stages.config import ConfigError, EvalConfig
+from stages.config_loading import load_config
 from stages.evaluate import harness
 
 TASK = "rlhf_tiny_mc"

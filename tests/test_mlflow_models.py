@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from stages import lineage, loading, tracking
-from stages.config import REPO_ROOT, load_config
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.rendering import HH_CHAT_TEMPLATE, dialogue_text, render_prompt
 from stages.launch import free_port

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from stages import lineage, run_writers, tracking
-from stages.config import ConfigError, LaunchConfig, load_config
+from stages.config import ConfigError, LaunchConfig
+from stages.config_loading import load_config
 from stages.launch import execute, resolve_deepspeed_config
 
 RANKS = ["sft.launch.world_size=2", "sft.max_steps=2", "sft.epochs=1", "sft.probe_prompts=2",

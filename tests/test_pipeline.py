@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from stages import lineage, precision, tracking
-from stages.config import REPO_ROOT, load_config
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from stages import lineage, loading, run_writers, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.data import corpus_texts
 from stages.launch import execute
 from stages.reward.model import reward_model_from_lm, save_reward_model

@@ -13,7 +13,7 @@ from ppo_helpers import RULE, make_trainer
 
 from data_contracts.gate import validate
 from stages import lifecycle, run_writers
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.ppo.collapse_guard import CollapseGuard
 from stages.ppo.stage import PPOTraining

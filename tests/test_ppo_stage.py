@@ -13,7 +13,8 @@ import torch
 from pipeline_helpers import TRL_NAMES, stage_run, version_tags
 
 from stages import lineage, run_writers, tracking
-from stages.config import load_config, rlhf_home
+from stages.config import rlhf_home
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.launch import execute
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from stages import lineage, registry, runs, tracking
-from stages.config import CriticRollouts, PPOConfig, load_config
+from stages.config import CriticRollouts, PPOConfig
+from stages.config_loading import load_config
 from stages.registry import Stage
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from stages import lineage, run_writers, tracking
-from stages.config import REPO_ROOT, load_config, rlhf_home
+from stages.config import REPO_ROOT, rlhf_home
+from stages.config_loading import load_config
 from stages.launch import StageLaunchError, execute, free_port
 from stages import checkpoint
 from stages.ppo.external_scores import RewardServerUnavailable

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stages import lineage, loading, registry, run_writers, stats, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.dist import Dist
 from stages.launch import execute

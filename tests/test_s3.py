@@ -14,7 +14,7 @@ import pytest
 
 from leaks import leaks, mlflow_texts
 from stages import lineage, tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 
 BUCKET = "rlhf-artifacts"
 OVERRIDES = {

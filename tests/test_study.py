@@ -12,7 +12,8 @@ from pipeline_helpers import version_tags
 
 from stages import study_records as studies
 from stages import lineage, run_writers, stats, tracking
-from stages.config import ConfigError, load_config, rlhf_home
+from stages.config import ConfigError, rlhf_home
+from stages.config_loading import load_config
 
 FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
 
