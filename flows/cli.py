@@ -211,6 +211,19 @@ def _parse_arms(specs: list[str]) -> dict[str, dict]:
     return arms
 
 
+def _stopped(err: Exception, gate_report: str) -> int:
+    """The exit code of a flow (`rlhf run`, `rlhf study`) that stopped on request at a step boundary
+    (Prefect's CancelledRun: 130; the flow said how to resume) or at a failed gate (ContractError: 2;
+    `gate_report` says where its report is, `{run_id}` its MLflow run); the error said on stderr."""
+    from data_contracts import ContractError  # deferred: Great Expectations
+
+    if isinstance(err, ContractError):
+        print(f"rlhf: {err}\n{gate_report.format(run_id=err.report.run_id)}", file=sys.stderr)
+        return 2
+    print(f"rlhf: {err}", file=sys.stderr)
+    return 130
+
+
 def _study(args: argparse.Namespace) -> int:
     if args.resume and (args.preset or args.overrides):
         raise ConfigError(f"--resume {args.resume}: a resumed study keeps the config it started with; leave out "
@@ -225,16 +238,13 @@ def _study(args: argparse.Namespace) -> int:
     from flows.study import study  # deferred: Prefect
 
     _open_stores()
+    expected = (ContractError, ConfigError, tracking_queue.TrackingUnavailable)
     try:
-        with _quiet_expected_errors((ContractError, ConfigError, tracking_queue.TrackingUnavailable)), _stop_on_signals():
+        with _quiet_expected_errors(expected), _stop_on_signals():
             study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume, new_arms=new_arms)
-    except CancelledRun as err:
-        print(f"rlhf: {err}", file=sys.stderr)
-        return 130
-    except ContractError as err:
-        print(f"rlhf: {err}\nThe gate's report is in MLflow run {err.report.run_id} under contracts/; continue "
-              f"the study with: {services.command('rlhf')} study --resume <study run id> (printed above)", file=sys.stderr)
-        return 2
+    except (CancelledRun, ContractError) as err:
+        return _stopped(err, "The gate's report is in MLflow run {run_id} under contracts/; continue the study with: "
+                             f"{services.command('rlhf')} study --resume <study run id> (printed above)")
 
     folder = rlhf_home() / "studies" / study_id
     print(f"\nStudy run {study_id} finished.\n\n{(folder / 'study.md').read_text()}\nFigure: {folder / 'study.png'} "
@@ -528,13 +538,8 @@ def _run(args: argparse.Namespace) -> int:
             state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
                          resume=args.resume, force=args.force, return_state=True)
             run_id = state.result()
-    except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
-        print(f"rlhf: {err}", file=sys.stderr)
-        return 130
-    except ContractError as err:
-        print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
-              f"under contracts/.", file=sys.stderr)
-        return 2
+    except (CancelledRun, ContractError) as err:
+        return _stopped(err, "The gate's report (JSON result, Data Docs) is in MLflow run {run_id} under contracts/.")
     except (tracking_queue.TrackingUnavailable, RewardServerUnavailable) as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 1
