@@ -19,12 +19,12 @@ from flows import services
 from flows.config_doc import REFERENCE_COMMAND, config_reference, explain
 from flows.supervise import SUPERVISED, die_with_the_supervisor, supervise
 from stages import allocator, interrupt, lineage, plan, registry, runs, tracking, tracking_queue
-from stages.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
 from stages.config import ConfigError, rlhf_home
 from stages.config_loading import load_config
 from stages.data import own_source_config, own_sources
 from stages.plan import TRAINING_STAGES
 from stages.loading import DataError, ModelError, locate
+from stages.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
 
 
 def _env_defaults() -> None:

@@ -20,11 +20,11 @@ from prefect.states import Cancelled
 from data_contracts import ContractError, check_handoff
 from flows import services
 from stages import lineage, registry, run_writers, runs, tracking, tracking_queue
-from stages.tags import FLOW_RUN_TAG
 from stages.config import PipelineConfig, rlhf_home
 from stages.config_loading import load_config
 from stages.interrupt import StageInterrupted
 from stages.launch import StageLaunchError, execute
+from stages.tags import FLOW_RUN_TAG
 
 # What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
 # to MLflow, the artifact store or the Prefect API dropped. Anything else (a gate, a bad config,

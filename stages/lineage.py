@@ -114,7 +114,7 @@ def pipeline_runs(experiment: str, preset: str | None = None, finished: bool = F
         return []
     where = [f"tags.`{PIPELINE_TAG}` = 'pipeline'"]
     if preset:
-        where.append(f"tags.`rlhf.preset` = '{preset}'")
+        where.append(f"tags.`{PRESET_TAG}` = '{preset}'")
     if finished:
         where.append("attributes.status = 'FINISHED'")
     return mlflow_client.search_runs([found.experiment_id], filter_string=" and ".join(where),

@@ -14,6 +14,7 @@ from typing import Any
 
 from stages.tracking import tracking_uri
 
+
 class TrackingUnavailable(RuntimeError):
     """The tracking server stayed unreachable for longer than the stage's patience."""
 
@@ -34,7 +35,7 @@ def _unreachable(err: Exception) -> bool:
 @contextlib.contextmanager
 def _no_http_retries():
     """MLflow's HTTP client retries a dead server for minutes inside one call (7 retries; it reads
-    MLFLOW_HTTP_REQUEST_MAX_RETRIES per request): a StageRun backs off itself, between tries."""
+    MLFLOW_HTTP_REQUEST_MAX_RETRIES per request): QueuedCalls backs off itself, between tries."""
     saved = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES")
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     try:

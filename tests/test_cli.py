@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from stages import allocator, lineage, tracking
-from stages.tags import FAILED_STAGE_TAG
 from stages.config_loading import load_config
+from stages.tags import FAILED_STAGE_TAG
 
 
 def _rlhf(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
