@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages import plan, registry, tracking  # noqa: E402
-from stages.config import load_config  # noqa: E402
+from stages import lineage, plan, registry, run_writers  # noqa: E402
+from stages.config_loading import load_config  # noqa: E402
 from stages.launch import execute  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     gpu_plan = plan.plan(cfg, device="cuda", memory_gib=None if torch.cuda.is_available() else 80.0)
     predicted = {sp.stage: sp.peak for sp in gpu_plan.stages}
     names = [name for name in registry.names() if not registry.get(name).skipped(cfg)]
-    pipeline = tracking.PipelineRun.start(cfg, names)
+    pipeline = run_writers.PipelineRun.start(cfg, names)
     outputs: dict = {}
     wall: dict[str, float] = {}
     try:
@@ -52,7 +52,7 @@ def main() -> None:
         pipeline.finish("FAILED")
         raise
     pipeline.finish("FINISHED")
-    metrics = {run.data.tags["rlhf.stage"]: run.data.metrics for run in tracking.stage_runs(pipeline.run_id)}
+    metrics = {run.data.tags["rlhf.stage"]: run.data.metrics for run in lineage.stage_runs(pipeline.run_id)}
     lines = ["| stage | wall s (launcher) | s (rank 0) | peak GPU GiB | plan GiB | measured / plan |",
              "|---|---|---|---|---|---|"]
     for name in names:

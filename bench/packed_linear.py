@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages import plan, precision  # noqa: E402
-from stages.config import load_config  # noqa: E402
+from stages.config_loading import load_config  # noqa: E402
 from stages.models.llama import mkl_pack, onednn_pack  # noqa: E402
 
 

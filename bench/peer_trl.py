@@ -181,7 +181,7 @@ def run_ours(spec: dict) -> None:
 
 
 def ours_config(args) -> dict:
-    from stages.config import load_config
+    from stages.config_loading import load_config
 
     overrides = [
         f"ppo.rollout_batch_size={args.batch_size}", f"ppo.minibatch_size={args.batch_size}", "ppo.ppo_epochs=1",

@@ -203,7 +203,7 @@ def prepare(args, tmp: Path) -> dict:
     import torch
 
     from stages import loading
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs, make_splits, split_texts
     from stages.dist import Dist
     from stages.reward.model import reward_model_from_lm, save_reward_model

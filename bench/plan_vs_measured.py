@@ -66,7 +66,7 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     import torch
 
     from stages import loading, plan, precision
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.nonfinite import NonFiniteGuard
     from stages.dist import Dist
 

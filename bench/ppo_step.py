@@ -93,7 +93,7 @@ def main() -> None:
     import torch
 
     from stages import loading, precision
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs, make_splits, split_texts
     from stages.reward.model import reward_model_from_lm, save_reward_model
 

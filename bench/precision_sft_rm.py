@@ -35,7 +35,7 @@ def load_inputs(preset: str, threads: int):
     import torch
 
     from stages import loading
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs, make_splits, split_texts
 
     torch.set_num_threads(threads)

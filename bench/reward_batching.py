@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from stages import loading, precision
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs, make_splits, split_texts
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")

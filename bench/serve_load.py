@@ -97,7 +97,7 @@ def prepare(args, tmp: Path) -> tuple[Path, list[tuple[str, str]]]:
     import torch
 
     from stages import loading
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs, make_splits, split_texts
     from stages.rendering import render_prompt
     from stages.reward.model import reward_model_from_lm, save_reward_model

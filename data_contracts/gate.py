@@ -22,7 +22,7 @@ import pandas as pd
 from data_contracts.suites import GROUPED, SUITES, derive
 from stages import registry, tracking
 from stages.config import PipelineConfig
-from stages.tracking import CONTRACT_TAG
+from stages.tags import CONTRACT_TAG
 
 ARTIFACT_DIR = "contracts"
 

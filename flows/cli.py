@@ -18,11 +18,13 @@ from filelock import FileLock
 from flows import services
 from flows.config_doc import REFERENCE_COMMAND, config_reference, explain
 from flows.supervise import SUPERVISED, die_with_the_supervisor, supervise
-from stages import allocator, interrupt, plan, registry, runs, tracking
-from stages.config import ConfigError, load_config, rlhf_home
+from stages import allocator, interrupt, lineage, plan, registry, runs, tracking, tracking_queue
+from stages.config import ConfigError, rlhf_home
+from stages.config_loading import load_config
 from stages.data import own_source_config, own_sources
 from stages.plan import TRAINING_STAGES
 from stages.loading import DataError, ModelError, locate
+from stages.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
 
 
 def _env_defaults() -> None:
@@ -134,14 +136,14 @@ def _recorded_failure(cfg, resume: str | None, state) -> str | None:
         run = tracking.client().get_run(resume)
     elif state is not None:
         try:
-            run = tracking.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
+            run = lineage.pipeline_run_of_flow_run(cfg.experiment, str(state.state_details.flow_run_id))
         except LookupError:
             return None
     else:
         return None
-    if run.info.status != "FAILED" or tracking.FAILED_STAGE_TAG not in run.data.tags:
+    if run.info.status != "FAILED" or FAILED_STAGE_TAG not in run.data.tags:
         return None
-    return "\n".join(run.data.tags[tracking.DESCRIPTION_TAG].split("\n\n"))
+    return "\n".join(run.data.tags[DESCRIPTION_TAG].split("\n\n"))
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -209,6 +211,19 @@ def _parse_arms(specs: list[str]) -> dict[str, dict]:
     return arms
 
 
+def _stopped(err: Exception, gate_report: str) -> int:
+    """The exit code of a flow (`rlhf run`, `rlhf study`) that stopped on request at a step boundary
+    (Prefect's CancelledRun: 130; the flow said how to resume) or at a failed gate (ContractError: 2;
+    `gate_report` says where its report is, `{run_id}` its MLflow run); the error said on stderr."""
+    from data_contracts import ContractError  # deferred: Great Expectations
+
+    if isinstance(err, ContractError):
+        print(f"rlhf: {err}\n{gate_report.format(run_id=err.report.run_id)}", file=sys.stderr)
+        return 2
+    print(f"rlhf: {err}", file=sys.stderr)
+    return 130
+
+
 def _study(args: argparse.Namespace) -> int:
     if args.resume and (args.preset or args.overrides):
         raise ConfigError(f"--resume {args.resume}: a resumed study keeps the config it started with; leave out "
@@ -223,16 +238,13 @@ def _study(args: argparse.Namespace) -> int:
     from flows.study import study  # deferred: Prefect
 
     _open_stores()
+    expected = (ContractError, ConfigError, tracking_queue.TrackingUnavailable)
     try:
-        with _quiet_expected_errors((ContractError, ConfigError, tracking.TrackingUnavailable)), _stop_on_signals():
+        with _quiet_expected_errors(expected), _stop_on_signals():
             study_id = study(preset=args.preset, overrides=args.overrides, resume=args.resume, new_arms=new_arms)
-    except CancelledRun as err:
-        print(f"rlhf: {err}", file=sys.stderr)
-        return 130
-    except ContractError as err:
-        print(f"rlhf: {err}\nThe gate's report is in MLflow run {err.report.run_id} under contracts/; continue "
-              f"the study with: {services.command('rlhf')} study --resume <study run id> (printed above)", file=sys.stderr)
-        return 2
+    except (CancelledRun, ContractError) as err:
+        return _stopped(err, "The gate's report is in MLflow run {run_id} under contracts/; continue the study with: "
+                             f"{services.command('rlhf')} study --resume <study run id> (printed above)")
 
     folder = rlhf_home() / "studies" / study_id
     print(f"\nStudy run {study_id} finished.\n\n{(folder / 'study.md').read_text()}\nFigure: {folder / 'study.png'} "
@@ -482,7 +494,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    print(runs.format_runs(tracking.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
+    print(runs.format_runs(lineage.pipeline_runs(args.experiment, args.preset, max_results=args.limit)))
     return 0
 
 
@@ -519,21 +531,16 @@ def _run(args: argparse.Namespace) -> int:
         # Every error's traceback stays out of Prefect's log lines here: a stage's failure ends
         # in its stage, reason and fix (the traceback is in MLflow), anything else in Python's.
         # The errors named are the expected ones, whose log lines are cut short too.
-        expected = (ContractError, DataError, ModelError, tracking.TrackingUnavailable, RewardServerUnavailable)
+        expected = (ContractError, DataError, ModelError, tracking_queue.TrackingUnavailable, RewardServerUnavailable)
         with _quiet_expected_errors((*expected, Exception)), _stop_on_signals():
             _open_stores()
             _check_runs_exist(args)
             state = rlhf(preset=args.preset, overrides=args.overrides, stages=stages, from_run=args.from_run,
                          resume=args.resume, force=args.force, return_state=True)
             run_id = state.result()
-    except CancelledRun as err:  # stopped on request at a step boundary: the flow said how to resume
-        print(f"rlhf: {err}", file=sys.stderr)
-        return 130
-    except ContractError as err:
-        print(f"rlhf: {err}\nThe gate's report (JSON result, Data Docs) is in MLflow run {err.report.run_id} "
-              f"under contracts/.", file=sys.stderr)
-        return 2
-    except (tracking.TrackingUnavailable, RewardServerUnavailable) as err:
+    except (CancelledRun, ContractError) as err:
+        return _stopped(err, "The gate's report (JSON result, Data Docs) is in MLflow run {run_id} under contracts/.")
+    except (tracking_queue.TrackingUnavailable, RewardServerUnavailable) as err:
         print(f"rlhf: {err}", file=sys.stderr)
         return 1
     except Exception as err:

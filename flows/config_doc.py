@@ -10,7 +10,9 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from stages.config import ConfigError, PipelineConfig, config_fields, load_config
+from stages.config import ConfigError, PipelineConfig
+from stages.config_fields import config_fields
+from stages.config_loading import load_config
 
 
 def flow_style(value) -> str:

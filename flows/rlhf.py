@@ -19,10 +19,12 @@ from prefect.states import Cancelled
 
 from data_contracts import ContractError, check_handoff
 from flows import services
-from stages import registry, runs, tracking
-from stages.config import PipelineConfig, load_config, rlhf_home
+from stages import lineage, registry, run_writers, runs, tracking, tracking_queue
+from stages.config import PipelineConfig, rlhf_home
+from stages.config_loading import load_config
 from stages.interrupt import StageInterrupted
 from stages.launch import StageLaunchError, execute
+from stages.tags import FLOW_RUN_TAG
 
 # What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
 # to MLflow, the artifact store or the Prefect API dropped. Anything else (a gate, a bad config,
@@ -105,7 +107,7 @@ def gate_task(name: str):
     return task(contract_gate, name=f"gate-{name}", task_run_name=f"gate-{name}", retries=0)
 
 
-def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, inputs: dict[str, Any],
+def run_stage(name: str, cfg: PipelineConfig, pipeline: run_writers.PipelineRun, inputs: dict[str, Any],
               force: bool) -> dict[str, Any]:
     """Run stage `name`, or reuse the stage run that an earlier pipeline run made with the same
     cache key; record which in the pipeline run (`rlhf.stage.<name>`) and gate what ran."""
@@ -121,7 +123,7 @@ def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, in
     state = configured(name, cfg, pipeline.run_id, inputs, return_state=True)
     produced = state.result()
     reused = state.name == "Cached"
-    if reused and not tracking.reusable(produced[spec.run_output], gated=bool(spec.contract)):
+    if reused and not lineage.reusable(produced[spec.run_output], gated=bool(spec.contract)):
         produced = configured.with_options(refresh_cache=True)(name, cfg, pipeline.run_id, inputs)
         reused = False
     pipeline.record_stage(name, produced[spec.run_output], "reused" if reused else "ran")
@@ -137,7 +139,7 @@ def run_stage(name: str, cfg: PipelineConfig, pipeline: tracking.PipelineRun, in
 
 
 def run_on_deployment(name: str, deployment: str, parameters: dict[str, Any], cfg: PipelineConfig,
-                      pipeline: tracking.PipelineRun) -> dict[str, Any]:
+                      pipeline: run_writers.PipelineRun) -> dict[str, Any]:
     """Run stage `name` as a flow run of its own deployment (e.g. on the GPU work pool), from
     this pipeline run's outputs so far; record its stage run here and return its outputs."""
     child = run_deployment(deployment, parameters={**parameters, "stages": [name], "from_run": pipeline.run_id},
@@ -145,9 +147,9 @@ def run_on_deployment(name: str, deployment: str, parameters: dict[str, Any], cf
                            idempotency_key=f"{flow_run.id}-{name}")
     if not child.state.is_completed():
         raise RuntimeError(f"stage {name}: flow run {child.name} of deployment {deployment} ended {child.state.name}")
-    _, stage_run_id = tracking.recorded_stages(tracking.pipeline_run_of_flow_run(cfg.experiment, str(child.id)))[name]
+    _, stage_run_id = lineage.recorded_stages(lineage.pipeline_run_of_flow_run(cfg.experiment, str(child.id)))[name]
     pipeline.record_stage(name, stage_run_id, "deployed")
-    return tracking.stage_outputs(stage_run_id)
+    return lineage.stage_outputs(stage_run_id)
 
 
 def failure_lines(pipeline_run_id: str, stage: str, err: Exception) -> list[str]:
@@ -160,7 +162,7 @@ def failure_lines(pipeline_run_id: str, stage: str, err: Exception) -> list[str]
     fix = fix or (f"read the traceback, remove its cause, then continue the run: "
                   f"{services.command('rlhf')} run --resume {pipeline_run_id}")
     return [f"Pipeline run {pipeline_run_id} failed (full traceback in MLflow: run {pipeline_run_id}, artifact "
-            f"{tracking.TRACEBACK_ARTIFACT})", f"Stage {stage} failed: {reason}", f"Fix: {fix}"]
+            f"{run_writers.TRACEBACK_ARTIFACT})", f"Stage {stage} failed: {reason}", f"Fix: {fix}"]
 
 
 def _summary(cfg: PipelineConfig, pipeline_run_id: str, outputs: dict[str, Any]) -> str:
@@ -204,26 +206,26 @@ def rlhf(
     arm: this run is arm `arm` of the study whose MLflow run id is `study` (flows/study.py).
     """
     # A resumed run continues with the config it started with (its preset and overrides).
-    cfg = tracking.recorded_config(resume) if resume else load_config(preset, overrides)
+    cfg = lineage.recorded_config(resume) if resume else load_config(preset, overrides)
     use_aws_credentials_block()
     if resume:
         if from_run:
             raise ValueError("give from_run or resume, not both")
-        inputs, remaining = tracking.resume_plan(resume)
+        inputs, remaining = lineage.resume_plan(resume)
         stages = [name for name in (stages or remaining) if name in remaining]
     else:
         stages = stages or registry.names()
     _check_stages(cfg, stages)
     if from_run == "latest":
-        from_run = tracking.latest_pipeline_run(cfg)
+        from_run = lineage.latest_pipeline_run(cfg)
         if from_run is None:
             raise ValueError(f"from_run=latest: no finished pipeline run of preset '{cfg.preset}' yet")
     if resume:
-        pipeline = tracking.PipelineRun.reopen(cfg, resume)
+        pipeline = run_writers.PipelineRun.reopen(cfg, resume)
     else:
-        inputs = tracking.outputs_of(from_run) if from_run else {}
-        pipeline = tracking.PipelineRun.start(cfg, stages, from_run, inputs,
-                                              extra_tags={tracking.FLOW_RUN_TAG: str(flow_run.id)}, study=study, arm=arm)
+        inputs = lineage.outputs_of(from_run) if from_run else {}
+        pipeline = run_writers.PipelineRun.start(cfg, stages, from_run, inputs,
+                                              extra_tags={FLOW_RUN_TAG: str(flow_run.id)}, study=study, arm=arm)
     print(f"pipeline run {pipeline.run_id} (MLflow {tracking.tracking_uri()})")
     try:
         for name in registry.names():
@@ -246,7 +248,7 @@ def rlhf(
         print(message)
         return Cancelled(message=message)
     except BaseException as err:
-        if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
+        if not isinstance(err, tracking_queue.TrackingUnavailable):  # else there is nowhere to record it
             if isinstance(err, Exception):
                 try:
                     pipeline.record_failure(name, "\n\n".join(failure_lines(pipeline.run_id, name, err)),

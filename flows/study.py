@@ -23,8 +23,9 @@ from prefect.states import Cancelled
 from flows import services
 from flows.rlhf import rlhf
 from stages import study_records as studies
-from stages import tracking
-from stages.config import ConfigError, PipelineConfig, StudyConfig, load_config, rlhf_home
+from stages import lineage, tracking
+from stages.config import ConfigError, PipelineConfig, StudyConfig, rlhf_home
+from stages.config_loading import load_config
 
 
 def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:
@@ -40,7 +41,7 @@ def best_of_n(study_id: str, cfg: PipelineConfig, chain: str, gold_model: str | 
     finished before is kept."""
     from stages import best_of_n as bon  # deferred: imports torch, which the flow process needs for these arms only
 
-    chain_outputs = tracking.outputs_of(chain)
+    chain_outputs = lineage.outputs_of(chain)
     for seed in dict.fromkeys(seed for _, seed in arms.values()):
         todo = {name: n for name, (n, s) in arms.items() if s == seed
                 and (done.get(name) is None or done[name].info.status != "FINISHED")}
@@ -93,13 +94,13 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
         if cfg.study.gold_relabels:  # the gold RM first; it labels the proxy's pairs (Gao et al.'s synthetic setting)
             base = run(studies.BASE, studies.BASE_STAGES, {}, None)
             gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), base)
-            gold_model = tracking.outputs_of(gold)["reward_model"]
+            gold_model = lineage.outputs_of(gold)["reward_model"]
             chain = run(studies.CHAIN, studies.RELABELLED_CHAIN_STAGES, {"reward.labels_from": gold_model}, base)
         else:
             chain = run(studies.CHAIN, studies.CHAIN_STAGES, {}, None)
             gold = run(studies.GOLD, studies.GOLD_STAGES, studies.gold_run_overrides(cfg), chain) \
                 if cfg.study.gold else None
-            gold_model = tracking.outputs_of(gold)["reward_model"] if gold else None
+            gold_model = lineage.outputs_of(gold)["reward_model"] if gold else None
         shared = studies.gold_arm_overrides(cfg, gold_model) if gold_model else {}
         names = []
         for name, arm in arms.items():

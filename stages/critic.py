@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, precision, tracking
+from stages import lifecycle, precision, run_writers, tracking
 from stages.config import PipelineConfig
 from stages.data import read_jsonl
 from stages.dist import Dist
@@ -142,5 +142,5 @@ class CriticTraining(lifecycle.TrainingStage):
                      EXPLAINED_VARIANCE_TAG: f"{metrics['val/explained_variance']:.4f}"})
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+def run(cfg: PipelineConfig, tracker: run_writers.StageRun | None, inputs: dict, dist: Dist) -> dict:
     return lifecycle.run(CriticTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)

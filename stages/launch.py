@@ -19,10 +19,11 @@ import time
 import warnings
 from pathlib import Path
 
-from stages import allocator, registry, tracking
+from stages import allocator, registry, run_writers, tracking, tracking_queue
 from stages.dist import Dist
 from stages.interrupt import RanksRunning, StageInterrupted
-from stages.config import DEEPSPEED_DIR, ConfigError, PipelineConfig, deepspeed_config_path
+from stages.config import ConfigError, PipelineConfig
+from stages.config_loading import DEEPSPEED_DIR, deepspeed_config_path
 
 class StageLaunchError(RuntimeError):
     """The ranks of a stage failed; the message holds the tail of their output."""
@@ -94,7 +95,7 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
     if missing:
         raise ValueError(f"stage '{stage}' needs {', '.join(missing)} from an earlier stage: run that stage too, "
                          f"or pass from_run=<pipeline run id> (or 'latest')")
-    pipeline = tracking.PipelineRun(tracking.client(), pipeline_run_id, cfg)
+    pipeline = run_writers.PipelineRun(tracking.client(), pipeline_run_id, cfg)
     tracker = pipeline.stage(stage, resumes=spec.resumes)
     try:
         device = stage_device(cfg, stage)
@@ -106,7 +107,7 @@ def execute(stage: str, cfg: PipelineConfig, pipeline_run_id: str, inputs: dict)
         tracker.finish("KILLED")
         raise
     except BaseException as err:
-        if not isinstance(err, tracking.TrackingUnavailable):  # else there is nowhere to record it
+        if not isinstance(err, tracking_queue.TrackingUnavailable):  # else there is nowhere to record it
             tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED", outputs)
@@ -211,7 +212,7 @@ def _rank_main(spec_path: str) -> None:
                 workdir=Path(spec["workdir"]))
     tracker = None
     if dist.is_main:
-        tracker = tracking.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
+        tracker = run_writers.StageRun(tracking.client(), spec["run_id"], spec["stage"], Path(spec["workdir"]),
                                     spec["pipeline_run_id"], cfg.orchestration.tracking_patience_s)
     started = time.perf_counter()
     try:

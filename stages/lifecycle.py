@@ -7,7 +7,7 @@
    its metrics logged, a checkpoint every `checkpoint_every` steps, tqdm progress, the time taken;
    a checkpoint after the last step (or the stage's early stop), so the end can fail and resume;
 3. the end: the held-out evaluation's metrics and `<name>/train_seconds`, the model published
-   (`tracking.StageRun.publish_model`), the contract's probe logged, the checkpoints deleted.
+   (`run_writers.StageRun.publish_model`), the contract's probe logged, the checkpoints deleted.
 
 A stage supplies its parts as a `TrainingStage`: built (models, data, engines, the non-finite
 guard) in its constructor, `step`, `finish` (the held-out evaluation and what to publish) and its

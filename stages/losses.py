@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from stages.dist import Dist
 from stages.logprobs import token_logprobs
+from stages.named_registry import add_entry, entry_named
 from stages.tensors import masked_mean
 
 
@@ -160,19 +161,14 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register `fn` as `ppo.policy_loss=<name>`."""
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"a policy loss named {name!r} is registered already")
-        POLICY_LOSSES[name] = fn
+        add_entry(POLICY_LOSSES, "policy loss", name, fn)
         return fn
 
     return register
 
 
 def registered_policy_loss(name: str) -> PolicyLossFn:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}") from None
+    return entry_named(POLICY_LOSSES, "policy loss", name)
 
 
 @register_policy_loss("ppo_clip")

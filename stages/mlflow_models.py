@@ -13,7 +13,7 @@ model's score head) is the one copy of the weights inside the MLflow model, and 
 there: what every stage reads back (`tracking.download`).
 
 A pack function `pack(folder, path, mlflow_model)` writes the MLflow model at `path` around the
-saved `folder`; `tracking.StageRun.publish_model` logs it as the run's LoggedModel and registers it.
+saved `folder`; `run_writers.StageRun.publish_model` logs it as the run's LoggedModel and registers it.
 """
 
 from __future__ import annotations

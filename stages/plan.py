@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from stages import loading, registry
-from stages.config import REPO_ROOT, ConfigError, ModelConfig, PipelineConfig, deepspeed_config_path
+from stages.config import REPO_ROOT, ConfigError, ModelConfig, PipelineConfig
+from stages.config_loading import deepspeed_config_path
 from stages.launch import hostfile_slots, stage_device
 
 GiB = 1024**3

@@ -42,7 +42,7 @@ class Stage:
     # The data contract after the stage: GX suite → the output holding its probe frame.
     contract: dict[str, str] = field(default_factory=dict)
     # A resumed attempt continues from the last checkpoint in the MLflow run of the attempt that
-    # was killed (tracking.PipelineRun.stage): one run holds the whole history, each step once.
+    # was killed (run_writers.PipelineRun.stage): one run holds the whole history, each step once.
     resumes: bool = False
     gpu: bool = True  # trains or runs models: served on the GPU work pool, Prefect tag `gpu`
     deployed: bool = True  # served as the deployment `rlhf/<name>` (reads the rest from `from_run`)

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import registry, tracking
-from stages.tags import CHAMPION_JUDGE_TAG, CHAMPION_TAG, FROM_RUN_TAG, PRESET_TAG, STAGES_TAG, STAGE_TAG
+from stages import lineage, registry, tracking
+from stages.tags import CHAMPION_JUDGE_TAG, CHAMPION_TAG, FROM_RUN_TAG, OUTPUTS_TAG, PRESET_TAG, STAGES_TAG, STAGE_TAG
 
 # PPO's key curves (per iteration), drawn for both runs of a comparison.
 PPO_CURVES = ("objective/scores", "objective/kl", "eval/score", "policy/response_length")
@@ -51,7 +51,7 @@ def logged_headline(parent_metrics: dict[str, float]) -> dict[str, dict[str, tup
 class StageView:
     stage: str
     # its own stage run's status (FINISHED, FAILED, RUNNING, KILLED); `reused` or `deployed`
-    # (tracking.STAGE_TAG_PREFIX); `not run`; or `inherited` (a stage of the run it started from)
+    # (stages.tags.STAGE_TAG_PREFIX); `not run`; or `inherited` (a stage of the run it started from)
     status: str
     run: object | None  # the MLflow stage run that holds its outputs and metrics
     # The headline numbers the pipeline run logged for this stage when it finished (`logged_headline`):
@@ -84,8 +84,8 @@ def stage_views(pipeline_run, inherited: bool = False, logged: bool = True) -> l
     the stages of the runs it started from (`from_run`, recursively) that it did not run itself.
     With `logged`, each carries the headline numbers its pipeline run logged, where it did."""
     mlflow_client = tracking.client()
-    recorded = tracking.recorded_stages(pipeline_run)
-    children = tracking.stage_runs(pipeline_run.info.run_id)  # newest first
+    recorded = lineage.recorded_stages(pipeline_run)
+    children = lineage.stage_runs(pipeline_run.info.run_id)  # newest first
     headlines = logged_headline(pipeline_run.data.metrics) if logged else {}
     views = []
     for stage in filter(None, pipeline_run.data.tags.get(STAGES_TAG, "").split(",")):
@@ -336,7 +336,7 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
         lines.append(f"  The {judge} judge is the reward model the policy was trained against: a policy can win on "
                      f"it by exploiting it (shorter answers, for one). A judge apart from it, a gold RM "
                      f"(study.gold) or a stronger model, shows whether the model got better: docs/guide/studies.md.")
-    outputs = json.loads(tags.get(tracking.OUTPUTS_TAG, "{}"))
+    outputs = json.loads(tags.get(OUTPUTS_TAG, "{}"))
     if "eval_report" in outputs:
         lines.append(f"Report: {outputs['eval_report']} (in MLflow: run {evaluation.run.info.run_id}, report/report.html "
                      f"shows it with its charts)")

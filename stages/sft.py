@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, loading, mlflow_models, precision, tracking
+from stages import lifecycle, loading, mlflow_models, precision, run_writers, tracking
 from stages.config import PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.dist import Dist
@@ -221,5 +221,5 @@ class SFTTraining(lifecycle.TrainingStage):
             report=report)
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+def run(cfg: PipelineConfig, tracker: run_writers.StageRun | None, inputs: dict, dist: Dist) -> dict:
     return lifecycle.run(SFTTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)

@@ -30,13 +30,13 @@ import numpy as np
 import pandas as pd
 from mlflow.entities import Metric
 
-from stages import registry, stats, tracking
+from stages import lineage, registry, run_writers, stats, tracking
 from stages.config import PipelineConfig
 from stages.evaluate import report
 from stages.reward.report import PAIR_OUTCOMES
-from stages.tags import (ARMS_TAG, ARM_KIND_TAG, BEST_OF_N_TAG, CHAMPION_TAG, CONFIG_HASH_TAG, GIT_COMMIT_TAG,
-                         FINAL_ITERATION_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG, STUDY_OVERRIDES_TAG,
-                         STUDY_PRESET_TAG)
+from stages.tags import (ARMS_TAG, ARM_KIND_TAG, ARM_TAG, BEST_OF_N_TAG, CHAMPION_TAG, CONFIG_HASH_TAG,
+                         GIT_COMMIT_TAG, FINAL_ITERATION_TAG, PIPELINE_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG,
+                         STUDY_OVERRIDES_TAG, STUDY_PRESET_TAG, STUDY_TAG)
 
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
@@ -93,10 +93,10 @@ def log_best_of_n(study_id: str, cfg: PipelineConfig, name: str, n: int, seed: i
     """A best-of-n arm's run, nested under the study's like a PPO arm's pipeline run; its id."""
     mlflow_client = tracking.client()
     study = mlflow_client.get_run(study_id)
-    tags = {"mlflow.parentRunId": study_id, tracking.STUDY_TAG: study_id, tracking.ARM_TAG: name,
+    tags = {"mlflow.parentRunId": study_id, STUDY_TAG: study_id, ARM_TAG: name,
             ARM_KIND_TAG: BEST_OF_N, BEST_OF_N_TAG: str(n), SEED_TAG: str(seed)}
     run = mlflow_client.create_run(study.info.experiment_id, tags=tags,
-                                   run_name=f"{tracking.study_title(cfg.preset)} · {name}")
+                                   run_name=f"{run_writers.study_title(cfg.preset)} · {name}")
     now = int(time.time() * 1000)
     mlflow_client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()])
     mlflow_client.set_terminated(run.info.run_id, status="FINISHED")
@@ -108,11 +108,11 @@ def start(cfg: PipelineConfig, preset: str, overrides: list[str], arms: dict[str
     resolved config recorded; its id."""
     mlflow_client = tracking.client()
     exp = tracking.experiment_id(mlflow_client, cfg.experiment)
-    tags = {tracking.PIPELINE_TAG: "study", PRESET_TAG: cfg.preset, CONFIG_HASH_TAG: cfg.config_hash(),
+    tags = {PIPELINE_TAG: "study", PRESET_TAG: cfg.preset, CONFIG_HASH_TAG: cfg.config_hash(),
             GIT_COMMIT_TAG: tracking.git_commit(), ARMS_TAG: json.dumps(arms),
             STUDY_PRESET_TAG: preset, STUDY_OVERRIDES_TAG: json.dumps(overrides)}
     run = mlflow_client.create_run(exp, tags=tags,
-                                   run_name=f"{tracking.study_title(cfg.preset)} · {' vs '.join(arms)}")
+                                   run_name=f"{run_writers.study_title(cfg.preset)} · {' vs '.join(arms)}")
     try:
         tracking.log_params(mlflow_client, run.info.run_id, cfg.model_dump(mode="json"))
         mlflow_client.log_dict(run.info.run_id, cfg.model_dump(mode="json"), tracking.CONFIG_ARTIFACT)
@@ -127,10 +127,10 @@ def reopen(study_id: str) -> tuple[PipelineConfig, str, list[str], dict[str, dic
     marked running again (`running`) once the caller has checked what it adds."""
     mlflow_client = tracking.client()
     run = mlflow_client.get_run(study_id)
-    if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
+    if run.data.tags.get(PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
     tags = run.data.tags
-    return (tracking.recorded_config(study_id), tags[STUDY_PRESET_TAG], json.loads(tags[STUDY_OVERRIDES_TAG]),
+    return (lineage.recorded_config(study_id), tags[STUDY_PRESET_TAG], json.loads(tags[STUDY_OVERRIDES_TAG]),
             json.loads(tags[ARMS_TAG]))
 
 
@@ -144,7 +144,7 @@ def add_arms(study_id: str, new_arms: dict[str, dict]) -> dict[str, dict]:
     run = mlflow_client.get_run(study_id)
     arms = {**json.loads(run.data.tags[ARMS_TAG]), **new_arms}
     mlflow_client.set_tag(study_id, ARMS_TAG, json.dumps(arms))
-    title = tracking.study_title(run.data.tags.get(PRESET_TAG, ""))
+    title = run_writers.study_title(run.data.tags.get(PRESET_TAG, ""))
     mlflow_client.update_run(study_id, name=f"{title} · {' vs '.join(arms)}")
     return arms
 
@@ -154,11 +154,11 @@ def arm_runs(study_id: str) -> dict[str, object]:
     mlflow_client = tracking.client()
     study = mlflow_client.get_run(study_id)
     found = mlflow_client.search_runs([study.info.experiment_id],
-                                      filter_string=f"tags.`{tracking.STUDY_TAG}` = '{study_id}'",
+                                      filter_string=f"tags.`{STUDY_TAG}` = '{study_id}'",
                                       order_by=["attributes.start_time DESC"])
     out: dict[str, object] = {}
     for run in found:
-        out.setdefault(run.data.tags.get(tracking.ARM_TAG, ""), run)
+        out.setdefault(run.data.tags.get(ARM_TAG, ""), run)
     return out
 
 
@@ -195,7 +195,7 @@ def collect(study_id: str, arms: list[str], judge: str) -> list[ArmResult]:
                                      final=run.data.metrics, tags=run.data.tags, eval_metrics={}, champion="",
                                      arm=base_arm(arm), best_of_n=int(run.data.tags[BEST_OF_N_TAG])))
             continue
-        stages = tracking.recorded_stages(run)
+        stages = lineage.recorded_stages(run)
         ppo = mlflow_client.get_run(stages["ppo"][1])
         curves = {name: [(m.step, m.value) for m in sorted(mlflow_client.get_metric_history(ppo.info.run_id, name),
                                                             key=lambda m: m.step)] for name in [*CURVES, GOLD_CURVE]}
@@ -556,7 +556,7 @@ class RewardModels:
     def read(cls, chain_run: str | None, gold_run: str | None, controlled: bool = False,
              level: float = 0.95) -> "RewardModels":
         def reward_stage(run_id: str | None) -> str | None:
-            stage = tracking.recorded_stages(tracking.client().get_run(run_id)).get("reward") if run_id else None
+            stage = lineage.recorded_stages(tracking.client().get_run(run_id)).get("reward") if run_id else None
             return stage[1] if stage else None
 
         proxy_stage, gold_stage = reward_stage(chain_run), reward_stage(gold_run)
@@ -668,7 +668,7 @@ def study_report(study_id: str) -> str:
     """`rlhf report`: a study's table as Markdown, made again from its runs in MLflow, headed by
     the date, this machine, the study's commit and the command that reproduces it."""
     run = tracking.client().get_run(study_id)
-    if run.data.tags.get(tracking.PIPELINE_TAG) != "study":
+    if run.data.tags.get(PIPELINE_TAG) != "study":
         raise ValueError(f"run {study_id} is not a study run (`rlhf study` makes those)")
     cfg, preset, overrides, _ = reopen(study_id)
     arms = [name for name in reversed(arm_runs(study_id)) if name not in (CHAIN, GOLD, BASE)]
@@ -690,8 +690,8 @@ def finish(study_id: str, cfg: PipelineConfig, arms: list[str], out: Path) -> st
     results, frame, judge, text, models = _results(study_id, cfg, arms)
     scales = models.scales()
     out.mkdir(parents=True, exist_ok=True)
-    figure(results, out / "study.png", tracking.study_title(cfg.preset))
-    overoptimisation_figure(results, out / "overoptimisation.png", tracking.study_title(cfg.preset), scales)
+    figure(results, out / "study.png", run_writers.study_title(cfg.preset))
+    overoptimisation_figure(results, out / "overoptimisation.png", run_writers.study_title(cfg.preset), scales)
     (out / "study.md").write_text(text)
     (out / "study.html").write_text(report.html(text, out))  # MLflow's artifact view shows its figure
     frame.to_csv(out / "study.csv", index=False)

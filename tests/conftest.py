@@ -119,7 +119,7 @@ def s3_server():
 def tiny(hh_file):
     """The tiny preset's model folder (random Llama, BPE tokenizer trained on HH text), its tokenizer
     and 256 encoded HH prompts."""
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.data import load_pairs
     from stages.ppo.setup import encode_prompts
     from stages.loading import load_tokenizer, materialise_model
@@ -138,7 +138,7 @@ def reward_model_dir(tiny, tmp_path_factory):
     """A reward model on the tiny preset's model (random head, seed 0), saved as the reward stage saves one."""
     import torch  # deferred: conftest loads before any test needs torch
 
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.loading import load_model
     from stages.reward.model import RewardModel, save_reward_model
 
@@ -152,12 +152,12 @@ def reward_model_dir(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def splits_outputs():
     """The tiny preset's data stage, run once per module in its own pipeline run: its outputs."""
-    from stages import tracking
-    from stages.config import load_config
+    from stages import run_writers
+    from stages.config_loading import load_config
     from stages.launch import execute
 
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["data"])
     outputs = execute("data", cfg, pipeline.run_id, {})
     pipeline.finish("FINISHED")
     return outputs

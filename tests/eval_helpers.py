@@ -12,7 +12,7 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from stages import loading
-from stages.config import load_config
+from stages.config_loading import load_config
 
 SECRET = "sk-test-0123456789abcdef-never-logged"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import requests
 
-from stages import tracking
+from stages import lineage, tracking
 from stages.launch import free_port
 
 TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
@@ -23,7 +23,7 @@ TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", 
 
 
 def stage_run(pipeline_run_id: str, stage: str):
-    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
+    return next(run for run in lineage.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
 
 
 def version_tags(uri: str) -> dict:

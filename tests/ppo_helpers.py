@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from stages import precision
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.ppo.experience import rule_scores
 from stages.ppo.trainer import PPOTrainer

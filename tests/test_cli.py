@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages import allocator, tracking
-from stages.config import load_config
+from stages import allocator, lineage, tracking
+from stages.config_loading import load_config
+from stages.tags import FAILED_STAGE_TAG
 
 
 def _rlhf(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -63,12 +64,12 @@ def test_run_on_the_ephemeral_api():
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
     assert "mlflow ui --backend-store-uri sqlite:///" in out.stdout
     # The pipeline ran in the command's child, on TCMalloc where the machine has it (stages/allocator.py).
-    (data,) = tracking.stage_runs(run_id)
+    (data,) = lineage.stage_runs(run_id)
     assert data.data.params["allocator"] == ("tcmalloc" if allocator.find_tcmalloc() else "system")
 
     # --resume continues with the run's own config (tiny here, not the default demo preset) and
     # refuses a --preset or --set that would change it.
-    assert tracking.recorded_config(run_id) == load_config("tiny")
+    assert lineage.recorded_config(run_id) == load_config("tiny")
     out = _rlhf("run", "--resume", run_id, "--preset", "demo")
     assert out.returncode == 2 and f"rlhf: --resume {run_id}: a resumed run keeps the config it started with" in out.stderr
     out = _rlhf("run", "--resume", run_id)  # nothing left to run: it finishes at once
@@ -113,7 +114,7 @@ def test_a_failed_stage_ends_in_its_reason_and_fix_which_are_the_runs_descriptio
     assert ending[2].startswith(fix), ending[2]
 
     run = tracking.client().get_run(run_id)
-    assert run.info.status == "FAILED" and run.data.tags[tracking.FAILED_STAGE_TAG] == "sft"
+    assert run.info.status == "FAILED" and run.data.tags[FAILED_STAGE_TAG] == "sft"
     assert run.data.tags["mlflow.note.content"].split("\n\n") == ending
     traceback_text = Path(tracking.client().download_artifacts(run_id, "logs/traceback.txt", str(tmp_path))).read_text()
     assert traceback_text.startswith("Traceback (most recent call last):") and "ModelError: " in traceback_text

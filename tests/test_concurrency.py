@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import loading, tracking
-from stages.config import load_config
+from stages import lineage, loading, tracking
+from stages.config_loading import load_config
 
 SMALL = ["--set", "sft.max_steps=2", "--set", "reward.max_steps=2", "--set", "critic.max_steps=2",
          "--set", "ppo.iterations=2", "--set", "ppo.eval_every=1", "--set", "ppo.samples_every=2"]
@@ -84,7 +84,7 @@ def test_both_runs_train_every_stage_in_their_own_runs_and_folders(forced, store
     assert forced[0] != forced[1]
     stage_runs = {}
     for pipeline in forced:
-        recorded = tracking.recorded_stages(client.get_run(pipeline))
+        recorded = lineage.recorded_stages(client.get_run(pipeline))
         assert sorted(recorded) == sorted(["data", "sft", "reward", "critic", "ppo", "eval"])
         for stage, (how, run_id) in recorded.items():
             run = client.get_run(run_id)
@@ -127,7 +127,7 @@ def test_registered_versions_are_distinct_and_each_points_at_its_own_run(forced)
         assert sorted(int(v.version) for v in versions) == [1, 2], kind
         assert {v.tags["rlhf.pipeline_run"] for v in versions} == set(forced)
         for version in versions:
-            outputs = tracking.outputs_of(version.tags["rlhf.pipeline_run"])
+            outputs = lineage.outputs_of(version.tags["rlhf.pipeline_run"])
             assert outputs[f"{kind}_model"] == f"models:/{prefix}-{kind}/{version.version}"
             assert version.run_id == outputs[f"{stage}_run"]
             logged = client.get_logged_model(outputs[f"{kind}_model_artifact"].removeprefix("models:/"))
@@ -150,7 +150,7 @@ def test_stage_results_are_whole(forced, store):
     """The data stages of both runs wrote the same cache key in the result storage: what is
     there is one whole result, naming one of them."""
     client = tracking.client()
-    data_runs = {tracking.recorded_stages(client.get_run(p))["data"][1] for p in forced}
+    data_runs = {lineage.recorded_stages(client.get_run(p))["data"][1] for p in forced}
     records = {path.name: json.loads(path.read_bytes()) for path in (store / "prefect-results").iterdir()}
     keyed = Counter(name.split("-")[0] for name in records if "-" in name)  # <stage>-<cache key>
     assert keyed == {"data": 1, "sft": 2, "reward": 2, "critic": 2, "ppo": 2, "eval": 2}
@@ -160,10 +160,10 @@ def test_stage_results_are_whole(forced, store):
 
 def test_runs_racing_to_reuse_a_stage_reuse_the_same_one(forced, store):
     client = tracking.client()
-    data_runs = {tracking.recorded_stages(client.get_run(p))["data"][1] for p in forced}
+    data_runs = {lineage.recorded_stages(client.get_run(p))["data"][1] for p in forced}
     results = _together(_env(store, PREFECT_TASKS_REFRESH_CACHE="false"), store.parent / f"{store.name}-reuse",
                         "--stages", "data", timeout=900)
-    reused = {tracking.recorded_stages(client.get_run(_pipeline_run(result)))["data"] for result in results}
+    reused = {lineage.recorded_stages(client.get_run(_pipeline_run(result)))["data"] for result in results}
     assert len(reused) == 1 and next(iter(reused))[0] == "reused" and next(iter(reused))[1] in data_runs
 
 

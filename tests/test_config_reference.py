@@ -4,7 +4,8 @@ committed page must be what the command prints today."""
 from pathlib import Path
 
 from flows import cli
-from stages.config import PipelineConfig, config_fields
+from stages.config import PipelineConfig
+from stages.config_fields import config_fields
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

@@ -12,7 +12,7 @@ import pytest
 
 from data_contracts import ContractError, gate, validate
 from stages import tracking
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.data import load_pairs, make_splits, raw_pairs_frame, splits_frame
 from stages.loading import DataError, read_records
 

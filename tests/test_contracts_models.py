@@ -17,7 +17,8 @@ import pytest
 
 from data_contracts import ContractError, gate, validate
 from stages import tracking
-from stages.config import PipelineConfig, load_config
+from stages.config import PipelineConfig
+from stages.config_loading import load_config
 
 DEMO, TINY, DEFAULTS = load_config("demo"), load_config("tiny"), PipelineConfig()
 

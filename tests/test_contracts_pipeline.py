@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from data_contracts import ContractError
-from stages import tracking
+from stages import lineage, tracking
 from stages.loading import DataError
 
 CORRUPT_EVERY = 20  # 116 of 2312 rows get rejected = chosen: 5 % > the 1 % tolerance
@@ -48,11 +48,11 @@ def _versions(name: str) -> dict[str, dict]:
 
 
 def test_good_run_passes_both_gates(good_run):
-    children = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(good_run)}
+    children = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(good_run)}
     assert children["data"].data.tags["rlhf.contract"] == "passed"
     assert children["data"].data.tags["rlhf.contract.raw_pairs"] == "passed"
     assert children["sft"].data.tags["rlhf.contract"] == "passed"
-    outputs = tracking.outputs_of(good_run)
+    outputs = lineage.outputs_of(good_run)
     name, version = outputs["sft_model"].removeprefix("models:/").split("/")
     assert _versions(name)[version]["rlhf.contract"] == "passed"
     probe = tracking.download(outputs["sft_probe"])
@@ -80,11 +80,11 @@ def test_corrupted_data_stops_at_the_first_gate(good_run, corrupted):
     (failed,) = [r for r in client.search_runs([exp], filter_string="tags.`rlhf.kind` = 'pipeline'")
                  if r.info.run_id not in known]
     assert failed.info.status == "FAILED"
-    children = tracking.stage_runs(failed.info.run_id)
+    children = lineage.stage_runs(failed.info.run_id)
     assert [r.data.tags["rlhf.stage"] for r in children] == ["data"]  # SFT never started
     data_run = children[0]
     assert data_run.data.tags["rlhf.contract"] == "failed"
-    assert tracking.outputs_of(failed.info.run_id) == {}  # nothing feeds a later --from-run
+    assert lineage.outputs_of(failed.info.run_id) == {}  # nothing feeds a later --from-run
     assert _versions("rlhf-tiny-sft") == before  # earlier registered versions untouched
     docs = tracking.download(f"runs:/{data_run.info.run_id}/contracts/data_docs/raw_pairs")
     html = next((docs / "validations").rglob("*.html")).read_text()
@@ -100,9 +100,9 @@ def test_warn_mode_reports_and_goes_on(prefect_server, corrupted):
     path, _ = corrupted
     run_id = rlhf(preset="tiny", overrides={"data.pairs": str(path), "contracts.mode": "warn"}, stages=["data"])
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
-    (data_run,) = tracking.stage_runs(run_id)
+    (data_run,) = lineage.stage_runs(run_id)
     assert data_run.data.tags["rlhf.contract"] == "failed" and data_run.data.tags["rlhf.contract_mode"] == "warn"
-    assert "splits" in tracking.outputs_of(run_id)
+    assert "splits" in lineage.outputs_of(run_id)
 
 
 def test_bad_file_inside_the_flow_is_a_data_error(prefect_server, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.ppo.reward_shaping import RunningMoments, reparameterise_scores
 from stages.model_loading import load_models

@@ -5,7 +5,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from stages.config import ConfigError, DataConfig, load_config
+from stages.config import ConfigError, DataConfig
+from stages.config_loading import load_config
 from stages.data import SPLITS, load_pairs, make_splits, parse_pair, prompt_messages, split_dialogue
 from stages.loading import DataError, read_records
 from stages.rendering import count_cut, encode_example, render_prompt, render_response

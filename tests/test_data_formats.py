@@ -10,8 +10,9 @@ import json
 import pandas as pd
 import pytest
 
-from stages import tracking
-from stages.config import DataConfig, load_config
+from stages import lineage, tracking
+from stages.config import DataConfig
+from stages.config_loading import load_config
 from stages.data import load_pairs, make_splits, parse_pair, read_jsonl
 from stages.loading import DataError
 
@@ -77,7 +78,7 @@ def test_each_format_drives_the_data_stage_and_its_contracts_through_the_flow(fi
     overrides = {"data": {"pairs": str(files[name]), **({"columns": {"prompt": "question", "chosen": "good",
                                                                      "rejected": "bad"}} if name == "mapped" else {})}}
     run_id = rlhf(preset="tiny", overrides=overrides, stages=["data"])
-    outputs = tracking.outputs_of(run_id)
+    outputs = lineage.outputs_of(run_id)
     data_run = tracking.client().get_run(outputs["data_run"])
     assert data_run.data.tags["rlhf.contract.raw_pairs"] == "passed" and data_run.data.tags["rlhf.contract.splits"] == "passed"
     written = read_jsonl(tracking.download(outputs["splits"]) / "sft.jsonl")

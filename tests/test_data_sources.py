@@ -11,8 +11,9 @@ import json
 import pytest
 
 from data_contracts import validate
-from stages import tracking
-from stages.config import ConfigError, DataConfig, load_config
+from stages import lineage, tracking
+from stages.config import ConfigError, DataConfig
+from stages.config_loading import load_config
 from stages.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
                          read_own_sources, splits_frame)
 from stages.loading import DataError
@@ -134,7 +135,7 @@ def test_the_tiny_pipeline_runs_on_sources_of_its_own_through_the_flow(pairs, pr
                                                                       for p in eval_rows])}
     run_id = rlhf(preset="tiny", overrides={"data": {k: str(v) for k, v in files.items()}, "sft.epochs": 1,
                                             "ppo.iterations": 2, "ppo.eval_every": 2})
-    outputs = tracking.outputs_of(run_id)
+    outputs = lineage.outputs_of(run_id)
     data_run = tracking.client().get_run(outputs["data_run"])
     assert data_run.data.params["data.source.sft"] == str(files["sft_source"].resolve())
     splits_dir = tracking.download(outputs["splits"])
@@ -145,7 +146,7 @@ def test_the_tiny_pipeline_runs_on_sources_of_its_own_through_the_flow(pairs, pr
     assert "chosen" not in ppo[0]
     held_out = read_jsonl(splits_dir / "eval_prompts.jsonl")
     assert {r["prompt"] for r in held_out} <= {p["prompt"] for p in eval_rows}
-    children = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(run_id)}
+    children = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(run_id)}
     assert {"data", "sft", "reward", "critic", "ppo", "eval"} <= set(children)
     gated = {name: run.data.tags["rlhf.contract"] for name, run in children.items() if "rlhf.contract" in run.data.tags}
     assert {"data", "sft", "critic", "ppo"} <= set(gated) and set(gated.values()) == {"passed"}

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import tracking
-from stages.config import load_config
+from stages import lineage, run_writers, tracking
+from stages.config_loading import load_config
 from stages.launch import execute
 
 
 def test_sft_on_two_deepspeed_ranks(splits_outputs):
     cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.epochs=1",
                                "model.gradient_checkpointing=true"])
-    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["sft"])
     outputs = execute("sft", cfg, pipeline.run_id, splits_outputs)
     pipeline.finish("FINISHED")
 
-    children = tracking.stage_runs(pipeline.run_id)
+    children = lineage.stage_runs(pipeline.run_id)
     assert len(children) == 1  # the ranks share the one stage run; no rank made its own
     run = children[0]
     assert run.data.params["sft.world_size"] == "2"
@@ -35,7 +35,7 @@ def test_a_failing_rank_fails_the_stage_with_its_log(splits_outputs):
     from stages.launch import StageLaunchError
 
     cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.micro_batch_size=200"])
-    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["sft"])
     with pytest.raises(StageLaunchError, match="less than one global batch"):
         execute("sft", cfg, pipeline.run_id, splits_outputs)
-    assert tracking.stage_runs(pipeline.run_id)[0].info.status == "FAILED"
+    assert lineage.stage_runs(pipeline.run_id)[0].info.status == "FAILED"

@@ -94,7 +94,7 @@ def batches(tiny, rows: int = 4) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("zero", ZERO_STAGES)
 def test_sft_loss_under_deepspeed_equals_the_plain_engines(one_nccl_rank, tiny, zero):
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.sft import response_nll
     from stages.loading import load_model
 
@@ -115,7 +115,7 @@ def test_sft_loss_under_deepspeed_equals_the_plain_engines(one_nccl_rank, tiny, 
 def test_reward_and_critic_losses_under_deepspeed_equal_the_plain_engines(one_nccl_rank, tiny, zero):
     """The reward model's pairwise loss (paper eq. 1) and the critic's value loss on the reward
     model's architecture."""
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.losses import pairwise_loss, value_loss
     from stages.ppo.experience import token_values
     from stages.reward.model import RewardModel
@@ -152,7 +152,7 @@ def test_a_ppo_iteration_under_deepspeed_equals_the_plain_engines(one_nccl_rank,
     greedy rollouts at a near tie."""
     from ppo_helpers import make_trainer
 
-    from stages.config import load_config
+    from stages.config_loading import load_config
     from stages.precision import dtype
     from stages.reward.model import RewardModel
     from stages.loading import load_model

@@ -16,7 +16,8 @@ from transformers import BloomConfig, BloomForCausalLM, PreTrainedTokenizerFast
 
 from eval_helpers import tiny_lm
 from stages import loading
-from stages.config import CEvalConfig, load_config
+from stages.config import CEvalConfig
+from stages.config_loading import load_config
 from stages.evaluate import ceval, report
 from stages.loading import DataError, data_dir
 

@@ -20,8 +20,8 @@ from data_contracts import validate
 from eval_helpers import SECRET, JudgeServer
 from leaks import files, leaks, mlflow_texts
 from pipeline_helpers import stage_run
-from stages import tracking
-from stages.config import load_config
+from stages import lineage, tracking
+from stages.config_loading import load_config
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 
@@ -64,7 +64,7 @@ def test_eval_of_an_sft_only_run_scores_the_sft_model_alone(sft_only, capsys):
     assert 0.0 <= metrics["eval/ceval_0shot/overall/sft"] <= 1.0 and "eval/ceval_5shot/law/sft" not in metrics
     assert "eval/ceval_5shot/humanities/sft" in metrics and "eval/ceval_5shot/subject/law/sft" in metrics
     assert not any(name.startswith("eval/judge/") or name.endswith("/policy") for name in metrics)
-    probe = pd.read_parquet(tracking.download(tracking.outputs_of(run_id)["eval_probe"]))
+    probe = pd.read_parquet(tracking.download(lineage.outputs_of(run_id)["eval_probe"]))
     assert set(probe["kind"]) == {"ceval"} and len(probe) == 2 * 3 * 4  # shots × subjects × questions
     # C-Eval's lineage: the session's hub mirror, and every CSV the stage read with its sha256.
     assert (run.data.params["ceval.repo"], run.data.params["ceval.revision"]) == ("ceval/ceval-exam", "mirror")
@@ -77,7 +77,7 @@ def test_eval_of_an_sft_only_run_scores_the_sft_model_alone(sft_only, capsys):
 
 def test_eval_reports_judges_and_sets_the_champion(evaluated):
     run_id, http_calls = evaluated
-    outputs = tracking.outputs_of(run_id)
+    outputs = lineage.outputs_of(run_id)
     run = stage_run(run_id, "eval")
     metrics = run.data.metrics
     for judge, n in (("openai", 8), ("reward_model", 8), ("local", 2)):
@@ -173,7 +173,7 @@ def test_a_judge_at_chance_cannot_decide_and_grants_no_champion(evaluated, tmp_p
     (tmp_path / "tie_judge.py").write_text(TIE_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     run_id, _ = evaluated
-    policy = tracking.outputs_of(run_id)["policy_model"]
+    policy = lineage.outputs_of(run_id)["policy_model"]
     name, _ = policy.removeprefix("models:/").split("/")
     tracking.client().delete_registered_model_alias(name, "champion")
     judges = [{"kind": "reward_source", "name": "coin", "source": "python:tie_judge:same_score"},
@@ -222,7 +222,7 @@ def test_a_judge_at_chance_cannot_decide_and_grants_no_champion(evaluated, tmp_p
 
 def test_the_api_key_is_nowhere_in_mlflow(evaluated):
     run_id, _ = evaluated
-    runs = [tracking.client().get_run(run_id), *tracking.stage_runs(run_id)]
+    runs = [tracking.client().get_run(run_id), *lineage.stage_runs(run_id)]
     artifacts = files(*(tracking.download(f"runs:/{run.info.run_id}/") for run in runs))
     assert leaks([SECRET], texts=mlflow_texts(runs), blobs=artifacts) == []
     assert any(run.data.params.get("eval.judges", "").count(KEY_ENV) for run in runs)  # the variable's name only

@@ -17,8 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from stages import tracking
-from stages.config import REPO_ROOT, load_config
+from stages import lineage, tracking
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 from stages.launch import free_port
 from stages.ppo.external_scores import RewardSourceError, batch_texts, post_scores
 
@@ -34,7 +35,7 @@ def e_fraction(prompts, responses):
 
 
 def _ppo_metric(pipeline_run_id: str, name: str) -> list[float]:
-    ppo_run = tracking.outputs_of(pipeline_run_id)["ppo_run"]
+    ppo_run = lineage.outputs_of(pipeline_run_id)["ppo_run"]
     history = tracking.client().get_metric_history(ppo_run, name)
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
@@ -51,7 +52,7 @@ def test_a_python_function_drives_ppo_through_the_flow(full_run, tmp_path, monke
     means = [sum(c["scores"]) / c["n"] for c in calls]
     scores = _ppo_metric(run_id, "objective/scores")
     assert len(scores) == 2 and all(any(abs(s - m) < 1e-6 for m in means) for s in scores)
-    assert tracking.client().get_run(tracking.outputs_of(run_id)["ppo_run"]).data.params["ppo.reward"] == \
+    assert tracking.client().get_run(lineage.outputs_of(run_id)["ppo_run"]).data.params["ppo.reward"] == \
         "python:my_rewards:e_fraction"
 
 
@@ -68,7 +69,7 @@ def reward_server(full_run):
     port = free_port()
     env = {**os.environ, "RM_TOKEN": "s3cret-token"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--model",
-                             tracking.outputs_of(full_run)["reward_model"], "--preset", "tiny", "--port", str(port),
+                             lineage.outputs_of(full_run)["reward_model"], "--preset", "tiny", "--port", str(port),
                              "--auth-env", "RM_TOKEN"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -102,7 +103,7 @@ def test_serve_reward_scores_as_the_reward_model_does(reward_server, full_run):
     from stages.loading import load_tokenizer
 
     cfg = load_config("tiny")
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
     rm_folder = tracking.download(outputs["reward_model"])
     rm, tokenizer = load_reward_model(rm_folder, cfg.model).eval(), load_tokenizer(str(rm_folder), cfg.model)
     prompts = encode_prompts(tokenizer, read_jsonl(tracking.download(outputs["splits"]) / "eval_prompts.jsonl")[:2], 64)
@@ -144,7 +145,7 @@ def test_a_reward_server_drives_ppo_through_the_flow(reward_server, full_run):
                                      "iterations": 2}})
     assert _health(reward_server)["batches"] - before >= 2  # a batch per rollout, and the held-out checks
     assert len(_ppo_metric(run_id, "objective/scores")) == 2
-    params = tracking.client().get_run(tracking.outputs_of(run_id)["ppo_run"]).data.params
+    params = tracking.client().get_run(lineage.outputs_of(run_id)["ppo_run"]).data.params
     assert params["ppo.reward_auth_env"] == "RM_TOKEN_FOR_TEST" and "s3cret" not in json.dumps(params)
 
 
@@ -201,7 +202,7 @@ def test_reward_sources_judge_in_the_eval_stage(reward_server, full_run, tmp_pat
               {"kind": "reward_source", "name": "e_rule", "source": "python:my_rewards:e_fraction"}]
     run_id = rlhf(preset="tiny", stages=["eval"], from_run=full_run,
                   overrides={"eval": {"judges": judges, "ceval": {"shots": [0]}}})
-    outputs = tracking.outputs_of(run_id)
+    outputs = lineage.outputs_of(run_id)
     probe = pd.read_parquet(tracking.download(outputs["eval_probe"]))
     by_judge = {name: frame.sort_values("row").reset_index(drop=True)
                 for name, frame in probe[probe["kind"] == "judge"].groupby("judge")}

@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import TRL_NAMES, MlflowServer, stage_run
 
-from stages import tracking
-from stages.config import load_config
+from stages import lineage, run_writers, tracking, tracking_queue
+from stages.config import rlhf_home
+from stages.config_loading import load_config
 from stages.launch import execute
 from stages import checkpoint
 
 
 def runs_dir() -> Path:
-    return tracking.rlhf_home() / "runs"
+    return rlhf_home() / "runs"
 
 
 def new_checkpoint(before: set[Path], name: str, timeout: float = 300, stage: str = "ppo") -> Path:
@@ -87,7 +88,7 @@ def killed_and_resumed(full_run: str, stage: str, overrides: list[str], first: s
     assert resume_from.startswith(first.rsplit("-", 1)[0])
 
     assert rlhf(preset="tiny", overrides=overrides, stages=[stage], resume=killed) == killed
-    (attempt,) = [run for run in tracking.stage_runs(killed) if run.data.tags["rlhf.stage"] == stage]  # one run
+    (attempt,) = [run for run in lineage.stage_runs(killed) if run.data.tags["rlhf.stage"] == stage]  # one run
     assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from
     return attempt, checkpoints
 
@@ -221,7 +222,7 @@ def test_a_tracking_server_down_for_longer_than_the_patience_fails_the_stage_cle
 
     thread = in_background(outage)
     try:
-        with pytest.raises(tracking.TrackingUnavailable) as err:
+        with pytest.raises(tracking_queue.TrackingUnavailable) as err:
             rlhf(preset="tiny", overrides=overrides, stages=["ppo"], from_run=full_run)
     finally:
         join_checked(thread)
@@ -289,7 +290,7 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_ch
     from ppo_helpers import greedy_one_minibatch_trainer
 
     cfg = load_config("tiny", ["ppo.iterations=6", "ppo.checkpoint_every=2"])
-    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
+    pipeline = run_writers.PipelineRun.start(cfg, ["ppo"], full_run)
     checkpoints = pipeline.workdir / "ppo" / "checkpoints"
     checkpoints.mkdir(parents=True)
     # A disk with room for one and a half checkpoints: the checkpoint of iteration 2 fits, that of
@@ -304,11 +305,11 @@ def test_a_full_disk_while_checkpointing_fails_clearly_and_keeps_the_previous_ch
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {mount.stderr.strip()}")
     try:
         with pytest.raises(checkpoint.DiskFullError) as err:
-            execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+            execute("ppo", cfg, pipeline.run_id, lineage.outputs_of(full_run))
         assert f"cannot write checkpoint {checkpoints / 'iter-000004'}: the disk or the quota is full" in str(err.value)
         assert checkpoint.latest(checkpoints) == checkpoints / "iter-000002"
         assert sorted(p.name for p in checkpoints.iterdir()) == ["iter-000002"]  # no half-written folder left
     finally:
         subprocess.run(["umount", str(checkpoints)], check=True)
     pipeline.finish("FAILED")
-    assert tracking.stage_runs(pipeline.run_id)[0].info.status == "FAILED"
+    assert lineage.stage_runs(pipeline.run_id)[0].info.status == "FAILED"

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from ppo_helpers import make_trainer
 
-from stages import sft, tracking
-from stages.config import load_config
+from stages import lineage, run_writers, sft, tracking
+from stages.config_loading import load_config
 from stages.nonfinite import NonFiniteError
 from stages.launch import execute, free_port
 from stages.training import PlainEngine
@@ -109,7 +109,7 @@ def test_ppo_skips_minibatches_whose_loss_is_nonfinite_and_stops_after_k(tiny):
 @pytest.fixture(scope="module")
 def splits(hh_file):
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["data"])
     outputs = execute("data", cfg, pipeline.run_id, {})
     pipeline.finish("FINISHED")
     return outputs
@@ -133,10 +133,10 @@ def nonfinite_training_loss(monkeypatch, steps: set[int]) -> None:
 def test_sft_skips_a_nonfinite_step_and_trains_on(splits, monkeypatch):
     nonfinite_training_loss(monkeypatch, {2})
     cfg = load_config("tiny", ["sft.max_steps=5"])
-    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["sft"])
     outputs = execute("sft", cfg, pipeline.run_id, splits)
     pipeline.finish("FINISHED")
-    run = tracking.stage_runs(pipeline.run_id)[0]
+    run = lineage.stage_runs(pipeline.run_id)[0]
     history = tracking.client().get_metric_history(run.info.run_id, "train/skipped_steps")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0, 1, 1, 1, 1]
     loss = {m.step: m.value for m in tracking.client().get_metric_history(run.info.run_id, "train/loss")}
@@ -149,10 +149,10 @@ def test_sft_skips_a_nonfinite_step_and_trains_on(splits, monkeypatch):
 def test_sft_stops_after_k_nonfinite_steps(splits, monkeypatch):
     nonfinite_training_loss(monkeypatch, set(range(2, 100)))
     cfg = load_config("tiny", ["sft.max_steps=8"])
-    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["sft"])
     with pytest.raises(NonFiniteError, match=r"sft: NaN/Inf in loss at step 4, micro-batch 1; 3 steps in a row"):
         execute("sft", cfg, pipeline.run_id, splits)
-    assert tracking.stage_runs(pipeline.run_id)[0].info.status == "FAILED"
+    assert lineage.stage_runs(pipeline.run_id)[0].info.status == "FAILED"
 
 
 

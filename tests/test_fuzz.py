@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, example, given, settings
 from config_helpers import dotted_keys
 from hypothesis import strategies as st
 
-from stages.config import ConfigError, DataConfig, PipelineConfig, RewardServerConfig, load_config
+from stages.config import ConfigError, DataConfig, PipelineConfig, RewardServerConfig
+from stages.config_loading import load_config
 from stages.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
 from stages.loading import DataError, read_records
 from stages.reward.serve import ClientError, parse_body

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stages import model_loading
-from stages.config import ConfigError, load_config, upgrade_recorded
+from stages.config import ConfigError
+from stages.config_loading import load_config, upgrade_recorded
 from stages.launch import Dist
 from stages.logprobs import token_logprobs
 from stages.sft import response_nll

@@ -21,8 +21,8 @@ import pytest
 
 from conftest import HUB_MIRROR
 from hub_standin import HubStandIn
-from stages import tracking
-from stages.config import load_config
+from stages import lineage
+from stages.config_loading import load_config
 from stages.data import load_pairs, make_splits, splits_digest
 from stages.loading import DataError, locate, split_patterns
 
@@ -55,7 +55,7 @@ def _rlhf(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 def _data_run(out: subprocess.CompletedProcess):
     assert out.returncode == 0, out.stderr[-3000:]
     run_id = re.search(r"Pipeline run (\w+) finished", out.stdout).group(1)
-    (data,) = tracking.stage_runs(run_id)
+    (data,) = lineage.stage_runs(run_id)
     return data.data
 
 
@@ -101,7 +101,7 @@ def test_the_demo_data_stage_downloads_from_the_hub_then_reads_its_cache_offline
 
 CEVAL_PROBE = """
 import json
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.evaluate import ceval
 from stages.loading import DataError
 cfg = load_config("demo").data

@@ -21,7 +21,8 @@ import psutil
 import pytest
 from pipeline_helpers import TRL_NAMES, stage_run
 
-from stages import tracking
+from stages import lineage, tracking
+from stages.tags import FLOW_RUN_TAG
 
 
 class Command:
@@ -86,7 +87,7 @@ class Command:
 
 def flow_run_state(pipeline_run_id: str) -> str:
     """The state of the Prefect flow run behind a pipeline run, read from the database the commands used."""
-    flow_run_id = tracking.client().get_run(pipeline_run_id).data.tags[tracking.FLOW_RUN_TAG]
+    flow_run_id = tracking.client().get_run(pipeline_run_id).data.tags[FLOW_RUN_TAG]
     code = ("from prefect.client.orchestration import get_client\n"
             f"print(get_client(sync_client=True).read_flow_run('{flow_run_id}').state.type.value)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
@@ -115,7 +116,7 @@ def test_ctrl_c_during_ppo_checkpoints_ends_killed_and_resumes_with_every_step_o
 
     resumed = Command("--resume", pipeline_id)
     assert resumed.finish() == 0, resumed.text()[-3000:]
-    (ppo,) = [r for r in tracking.stage_runs(pipeline_id) if r.data.tags["rlhf.stage"] == "ppo"]
+    (ppo,) = [r for r in lineage.stage_runs(pipeline_id) if r.data.tags["rlhf.stage"] == "ppo"]
     assert ppo.info.status == "FINISHED" and ppo.data.tags["rlhf.resumed_from"] == saved.name
     for name in TRL_NAMES:  # none lost, none twice
         steps = sorted(m.step for m in tracking.client().get_metric_history(ppo.info.run_id, name))

@@ -22,8 +22,8 @@ import torch
 
 from pipeline_helpers import MlflowServer
 
-from stages import allocator, checkpoint, lifecycle, precision, registry, tracking
-from stages.config import load_config
+from stages import allocator, checkpoint, lifecycle, lineage, precision, registry, run_writers, tracking, tracking_queue
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.launch import execute
 from stages.nonfinite import NonFiniteGuard
@@ -102,7 +102,7 @@ def killed_after_step(run_id: str, step: int, log: Path, timeout: float = 300) -
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
-            stage = [r for r in tracking.stage_runs(run_id) if r.data.tags.get("rlhf.stage") == TOY.name]
+            stage = [r for r in lineage.stage_runs(run_id) if r.data.tags.get("rlhf.stage") == TOY.name]
             if stage and step in history(stage[0].info.run_id, "toy/loss"):
                 break
             time.sleep(0.05)
@@ -114,25 +114,25 @@ def killed_after_step(run_id: str, step: int, log: Path, timeout: float = 300) -
 
 def test_a_toy_stage_killed_mid_run_resumes_with_every_step_logged_once(toy_stage, tmp_path):
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+    pipeline = run_writers.PipelineRun.start(cfg, [TOY.name])
     killed_after_step(pipeline.run_id, CHECKPOINT_EVERY + 1, tmp_path / "killed.log")
     checkpoints = pipeline.workdir / TOY.name / "checkpoints"
     resume_from = checkpoint.latest(checkpoints)
-    (killed,) = tracking.stage_runs(pipeline.run_id)
+    (killed,) = lineage.stage_runs(pipeline.run_id)
     logged_before = max(history(killed.info.run_id, "toy/loss"))
     assert resume_from.name == f"step-{CHECKPOINT_EVERY:06d}" and logged_before > CHECKPOINT_EVERY  # some steps twice
 
-    tracking.PipelineRun.reopen(cfg, pipeline.run_id)
+    run_writers.PipelineRun.reopen(cfg, pipeline.run_id)
     outputs = execute(TOY.name, cfg, pipeline.run_id, {})
-    (attempt,) = tracking.stage_runs(pipeline.run_id)  # the killed attempt's run, continued
+    (attempt,) = lineage.stage_runs(pipeline.run_id)  # the killed attempt's run, continued
     assert attempt.info.status == "FINISHED" and attempt.data.tags["rlhf.resumed_from"] == resume_from.name
     assert outputs["toy_run"] == attempt.info.run_id and attempt.data.params["toy.steps"] == str(STEPS)
     assert outputs["toy_probe"].endswith("contracts/toy_probe.parquet")
     assert not checkpoints.exists()  # the stage ended: its checkpoints served resuming only
 
-    whole = tracking.PipelineRun.start(cfg, [TOY.name])
+    whole = run_writers.PipelineRun.start(cfg, [TOY.name])
     execute(TOY.name, cfg, whole.run_id, {})
-    (uninterrupted,) = tracking.stage_runs(whole.run_id)
+    (uninterrupted,) = lineage.stage_runs(whole.run_id)
     for name in ("toy/loss", "train/skipped_steps"):
         got, want = logged_once(attempt.info.run_id, name), logged_once(uninterrupted.info.run_id, name)
         assert got == pytest.approx(want, nan_ok=True), name  # the numbers of an uninterrupted run
@@ -155,16 +155,16 @@ class EndFails(ToyTraining):
 
     def finish(self) -> lifecycle.Finish:
         if self.fail:
-            raise tracking.TrackingUnavailable("the tracking server went away while the model was published")
+            raise tracking_queue.TrackingUnavailable("the tracking server went away while the model was published")
         return super().finish()
 
 
 def test_a_failure_in_the_end_resumes_from_the_last_step_without_training_again(toy_stage):
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+    pipeline = run_writers.PipelineRun.start(cfg, [TOY.name])
     tracker = pipeline.stage(TOY.name, resumes=True)
     dist = Dist(workdir=tracker.workdir)
-    with pytest.raises(tracking.TrackingUnavailable):
+    with pytest.raises(tracking_queue.TrackingUnavailable):
         lifecycle.run(EndFails(dist, fail=True), cfg, tracker, {}, dist)
     tracker.finish("FAILED")
     found = checkpoint.latest(dist.workdir / "checkpoints")
@@ -180,14 +180,14 @@ def test_a_failure_in_the_end_resumes_from_the_last_step_without_training_again(
 
 def test_a_stage_resumed_on_other_hardware_records_both_machines_and_finishes(toy_stage):
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+    pipeline = run_writers.PipelineRun.start(cfg, [TOY.name])
     killed = pipeline.stage(TOY.name, resumes=True)
     elsewhere = {"precision.hardware": "NVIDIA H100 80GB HBM3: native bf16", "allocator": "another allocator"}
     killed.log_params(elsewhere)
     killed.finish("KILLED")
 
     execute(TOY.name, cfg, pipeline.run_id, {})
-    (attempt,) = tracking.stage_runs(pipeline.run_id)
+    (attempt,) = lineage.stage_runs(pipeline.run_id)
     assert attempt.info.run_id == killed.run_id and attempt.info.status == "FINISHED"
     here = {"precision.hardware": precision.describe("cpu"), "allocator": allocator.in_use()}
     params = attempt.data.params
@@ -219,7 +219,7 @@ def test_metrics_queued_in_a_tracking_outage_survive_a_crash_after_the_checkpoin
     try:
         server.start()
         cfg = load_config("tiny")
-        pipeline = tracking.PipelineRun.start(cfg, [TOY.name])
+        pipeline = run_writers.PipelineRun.start(cfg, [TOY.name])
         tracker = pipeline.stage(TOY.name, resumes=True)
         dist = Dist(workdir=tracker.workdir)
         with pytest.raises(SystemExit):

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pipeline_helpers import stage_run
-from stages import tracking
-from stages.config import ConfigError, EvalConfig, load_config
+from stages import lineage, tracking
+from stages.config import ConfigError, EvalConfig
+from stages.config_loading import load_config
 from stages.evaluate import harness
 
 TASK = "rlhf_tiny_mc"
@@ -91,7 +92,7 @@ def test_task_runs_on_both_models_and_lands_in_the_report(evaluated):
     assert text.index("## C-Eval val") < text.index(f"## lm-evaluation-harness {harness.version()}")
     assert f"| {TASK} | acc | 0 | 8 | {sft:.3f} ± " in text and f"| {policy - sft:+.3f} |" in text
     assert f"<td>{TASK}</td>" in (report / "report.html").read_text()
-    assert TASK in tracking.download(tracking.outputs_of(evaluated)["eval_summary"]).read_text()
+    assert TASK in tracking.download(lineage.outputs_of(evaluated)["eval_summary"]).read_text()
     for model, acc in (("sft", sft), ("policy", policy)):  # lm-eval's own results file
         results = json.loads((report / "lm_eval" / f"results_{model}.json").read_text())
         assert results["results"][TASK]["acc,none"] == acc and results["lm_eval_version"] == harness.version()
@@ -114,7 +115,7 @@ def test_accuracy_matches_our_own_scoring_of_each_model(evaluated, full_run):
 
     run = stage_run(evaluated, "eval")
     report = tracking.download(f"runs:/{run.info.run_id}/report")
-    outputs, cfg = tracking.outputs_of(full_run), load_config("tiny")
+    outputs, cfg = lineage.outputs_of(full_run), load_config("tiny")
     ours = {}
     for name, uri in (("sft", outputs["sft_model"]), ("policy", outputs["policy_model"])):
         model, tokenizer = frozen_lm(str(tracking.download(uri)), cfg.model, "cpu")

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages import model_loading
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.launch import Dist
 from stages.loading import load_model
 from stages.ppo.experience import response_logits

@@ -21,8 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import loading, tracking
-from stages.config import REPO_ROOT, load_config
+from stages import lineage, loading, tracking
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.rendering import HH_CHAT_TEMPLATE, dialogue_text, render_prompt
 from stages.launch import free_port
@@ -74,7 +75,7 @@ def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
     import mlflow.transformers
     from mlflow.entities import LoggedModelStatus
 
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
     client = tracking.client()
     name, version = _name_version(outputs["policy_model"])
     client.set_registered_model_alias(name, ALIAS, version)
@@ -112,7 +113,7 @@ def test_reward_model_and_critic_load_as_pyfuncs_scoring_as_serve_reward_does(fu
 
     from stages.reward.serve import RewardScorer
 
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
     cfg = load_config("tiny")
     rows = read_jsonl(tracking.download(outputs["splits"]) / "rm_eval.jsonl")[:6]
     frame = pd.DataFrame({"prompt": [r["prompt"] for r in rows for _ in (0, 1)],
@@ -138,7 +139,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_mlflow_models_serve_answers_a_chat_request_with_the_policy(full_run, tmp_path):
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
     name, version = _name_version(outputs["policy_model"])
     port = free_port()
     # The shell of an activated virtualenv: `mlflow models serve` runs `uvicorn` from PATH.
@@ -212,7 +213,7 @@ def test_a_chat_model_samples_as_the_eval_stage_did(full_run):
     when MLflow serves it (sampling at temperature 0.7, 256 new tokens): it carries the eval stage's."""
     sampling = load_config("tiny").eval.generation
     for kind in ("sft", "policy"):
-        folder = tracking.download(tracking.outputs_of(full_run)[f"{kind}_model"])
+        folder = tracking.download(lineage.outputs_of(full_run)[f"{kind}_model"])
         saved = json.loads((folder / "generation_config.json").read_text())
         assert not saved.get("_from_model_config"), kind
         assert {key: saved.get(key) for key in ("do_sample", "temperature", "top_p", "repetition_penalty",

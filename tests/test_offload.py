@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import tracking
-from stages.config import ConfigError, LaunchConfig, load_config
+from stages import lineage, run_writers, tracking
+from stages.config import ConfigError, LaunchConfig
+from stages.config_loading import load_config
 from stages.launch import execute, resolve_deepspeed_config
 
 RANKS = ["sft.launch.world_size=2", "sft.max_steps=2", "sft.epochs=1", "sft.probe_prompts=2",
@@ -21,10 +22,10 @@ RANKS = ["sft.launch.world_size=2", "sft.max_steps=2", "sft.epochs=1", "sft.prob
 def trained_weights(splits_outputs, tmp_path: Path, *overrides: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The SFT model two ranks trained for two steps, and its stage run's params."""
     cfg = load_config("tiny", [*RANKS, *overrides])
-    pipeline = tracking.PipelineRun.start(cfg, ["sft"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["sft"])
     outputs = execute("sft", cfg, pipeline.run_id, splits_outputs)
     pipeline.finish("FINISHED")
-    (run,) = tracking.stage_runs(pipeline.run_id)
+    (run,) = lineage.stage_runs(pipeline.run_id)
     folder = tracking.download(outputs["sft_model"], tmp_path)
     weights = {}
     for path in sorted(Path(folder).rglob("*.safetensors")):

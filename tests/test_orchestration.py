@@ -14,7 +14,8 @@ from prefect.states import Failed
 from flows import services
 from flows.rlhf import deployments, retry_on_infrastructure_errors, stage_cache_key
 from stages import registry
-from stages.config import REPO_ROOT, ConfigError, LaunchConfig, load_config
+from stages.config import REPO_ROOT, ConfigError, LaunchConfig
+from stages.config_loading import load_config
 from stages.launch import StageLaunchError, rank_command
 from stages.loading import DataError
 

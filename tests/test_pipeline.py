@@ -6,8 +6,9 @@ import subprocess
 
 import pytest
 
-from stages import precision, tracking
-from stages.config import REPO_ROOT, load_config
+from stages import lineage, precision, tracking
+from stages.config import REPO_ROOT
+from stages.config_loading import load_config
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def test_pipeline_registers_an_sft_model_that_lowers_perplexity(tiny_run):
     assert parent.data.tags["rlhf.kind"] == "pipeline" and parent.data.tags["rlhf.preset"] == "tiny"
     assert parent.data.params["sft.lr"] == "0.003"  # the resolved config is the parent's params
 
-    children = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(tiny_run)}
+    children = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(tiny_run)}
     assert set(children) == {"data", "sft"}
     assert all(run.info.status == "FINISHED" for run in children.values())
 
@@ -37,7 +38,7 @@ def test_pipeline_registers_an_sft_model_that_lowers_perplexity(tiny_run):
     history = client.get_metric_history(sft.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(1, len(history) + 1))
 
-    outputs = tracking.outputs_of(tiny_run)
+    outputs = lineage.outputs_of(tiny_run)
     name, version = outputs["sft_model"].removeprefix("models:/").split("/")
     assert name == "rlhf-tiny-sft"
     mv = client.get_model_version(name, version)
@@ -59,12 +60,12 @@ def test_pipeline_registers_an_sft_model_that_lowers_perplexity(tiny_run):
 
 
 def test_data_stage_logs_splits_as_inputs(tiny_run):
-    children = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(tiny_run)}
+    children = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(tiny_run)}
     data_run = tracking.client().get_run(children["data"].info.run_id)
     contexts = {d.dataset.name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for d in data_run.inputs.dataset_inputs}
     assert contexts == {name: name for name in ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts")}
     assert data_run.data.metrics["data/dropped"] == 9  # the shared file's known dirty rows
-    splits = tracking.download(tracking.outputs_of(tiny_run)["splits"])
+    splits = tracking.download(lineage.outputs_of(tiny_run)["splits"])
     assert sorted(p.name for p in splits.iterdir()) == sorted(
         ["dropped_rows.jsonl", "eval_prompts.jsonl", "ppo_prompts.jsonl", "rm_eval.jsonl", "rm_train.jsonl", "sft.jsonl"]
     )
@@ -74,19 +75,19 @@ def test_sft_reruns_alone_on_an_earlier_run(tiny_run):
     from flows.rlhf import rlhf
 
     client = tracking.client()
-    first_version = tracking.outputs_of(tiny_run)["sft_model"]
+    first_version = lineage.outputs_of(tiny_run)["sft_model"]
     rerun = rlhf(preset="tiny", overrides={"sft.max_steps": 2}, stages=["sft"], from_run=tiny_run)
     assert rerun != tiny_run
     assert client.get_run(rerun).data.tags["rlhf.from_run"] == tiny_run
-    children = tracking.stage_runs(rerun)
+    children = lineage.stage_runs(rerun)
     assert [run.data.tags["rlhf.stage"] for run in children] == ["sft"]
-    outputs = tracking.outputs_of(rerun)
+    outputs = lineage.outputs_of(rerun)
     assert outputs["sft_model"] != first_version
     name, version = outputs["sft_model"].removeprefix("models:/").split("/")
-    assert client.get_model_version(name, version).tags["rlhf.input.splits"] == tracking.outputs_of(tiny_run)["splits"]
+    assert client.get_model_version(name, version).tags["rlhf.input.splits"] == lineage.outputs_of(tiny_run)["splits"]
     # The earlier run and its registered version are untouched.
-    assert tracking.outputs_of(tiny_run)["sft_model"] == first_version
-    assert [run.data.tags["rlhf.stage"] for run in tracking.stage_runs(tiny_run)] == ["sft", "data"]
+    assert lineage.outputs_of(tiny_run)["sft_model"] == first_version
+    assert [run.data.tags["rlhf.stage"] for run in lineage.stage_runs(tiny_run)] == ["sft", "data"]
 
 
 def test_a_stage_without_its_inputs_fails_clearly(prefect_server):

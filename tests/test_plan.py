@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stages import plan
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.plan import Role, Sharding, model_states
 
 LLAMA_7B = plan.read_architecture(load_config("tiny").model, "llama-2-7b")

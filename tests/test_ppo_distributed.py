@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import loading, tracking
-from stages.config import load_config
+from stages import lineage, loading, run_writers, tracking
+from stages.config_loading import load_config
 from stages.data import corpus_texts
 from stages.launch import execute
 from stages.reward.model import reward_model_from_lm, save_reward_model
@@ -49,7 +49,7 @@ def inputs(tmp_path_factory):
     """The data stage's splits; the tiny base model stands in for the SFT policy and, with a fresh
     scalar head, for the reward model (PPO then starts the critic from it)."""
     cfg = load_config("tiny")
-    pipeline = tracking.PipelineRun.start(cfg, ["data"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["data"])
     outputs = execute("data", cfg, pipeline.run_id, {})
     pipeline.finish("FINISHED")
     splits_dir = tracking.download(outputs["splits"])
@@ -64,10 +64,10 @@ def inputs(tmp_path_factory):
 def ppo_metrics(inputs, *overrides: str) -> dict[str, list[float]]:
     """Run the PPO stage; each metric's values at iterations 1 and 2, as rank 0 logged them."""
     cfg = load_config("tiny", [*COMMON, *overrides])
-    pipeline = tracking.PipelineRun.start(cfg, ["ppo"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["ppo"])
     execute("ppo", cfg, pipeline.run_id, inputs)
     pipeline.finish("FINISHED")
-    run = tracking.stage_runs(pipeline.run_id)[0]
+    run = lineage.stage_runs(pipeline.run_id)[0]
     client = tracking.client()
     names = [*COMPARED, "val/num_eos_tokens", "policy/response_length"]
     return {name: [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)]

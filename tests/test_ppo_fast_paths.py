@@ -10,7 +10,7 @@ from ppo_helpers import greedy_one_minibatch_trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages import models
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.models import CachedDecoder, last_hidden_state, set_fast_path
 from stages.models.llama import Decoder as LlamaDecoder
 from stages.ppo.experience import response_logits

@@ -12,8 +12,8 @@ import torch
 from ppo_helpers import RULE, make_trainer
 
 from data_contracts.gate import validate
-from stages import lifecycle, tracking
-from stages.config import load_config
+from stages import lifecycle, run_writers
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.ppo.collapse_guard import CollapseGuard
 from stages.ppo.stage import PPOTraining
@@ -153,7 +153,7 @@ ROLLBACK = ["ppo.on_collapse=rollback", "ppo.max_rollbacks=2", "ppo.rollback_lr_
 def killed_then_resumed(tiny, overrides: list[str], first: dict, second: dict) -> tuple[ScheduledPPO, ScheduledPPO]:
     """Attempt `first` killed, then attempt `second` in the same stage run (the real lifecycle and MLflow store)."""
     cfg = load_config("tiny", [f"ppo.reward={RULE}", *overrides])
-    pipeline = tracking.PipelineRun.start(cfg, ["ppo"])
+    pipeline = run_writers.PipelineRun.start(cfg, ["ppo"])
     attempts = []
     for schedule in (first, second):
         tracker = pipeline.stage("ppo", resumes=True)

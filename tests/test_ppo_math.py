@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ppo_helpers import token_mean_minibatch
 
 from stages import registry
-from stages.config import ConfigError, PPOConfig, load_config
+from stages.config import ConfigError, PPOConfig
+from stages.config_loading import load_config
 from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from stages.ppo.advantages import gae
 from stages.tensors import masked_whiten

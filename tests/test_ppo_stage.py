@@ -12,17 +12,18 @@ import pytest
 import torch
 from pipeline_helpers import TRL_NAMES, stage_run, version_tags
 
-from stages import tracking
-from stages.config import load_config
+from stages import lineage, run_writers, tracking
+from stages.config import rlhf_home
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.launch import execute
 
 
 def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
-    runs = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(full_run)}
+    runs = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(full_run)}
     assert set(runs) == {"data", "sft", "reward", "critic", "ppo", "eval"}
     assert all(run.info.status == "FINISHED" for run in runs.values())
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
 
     critic = version_tags(outputs["critic_model"])
     assert outputs["critic_model"].startswith("models:/rlhf-tiny-critic/")
@@ -49,7 +50,7 @@ def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
 def test_ppo_continues_the_critic_stages_running_moments_without_warmup(full_run):
     """PPO starts its score statistics where critic pre-training left them, count included (not
     from the RM's held-out stats with count 1), and skips lr warm-up, which the critic replaces."""
-    outputs = tracking.outputs_of(full_run)
+    outputs = lineage.outputs_of(full_run)
     critic_config = json.loads((tracking.download(outputs["critic_model"]) / "reward_config.json").read_text())
     carried = critic_config["running_moments"]
     assert carried["count"] > 1  # every score of the critic's rollouts
@@ -133,8 +134,8 @@ def test_compare_lists_the_eval_stages_judges_with_their_intervals(full_run, tmp
 def test_reward_critic_and_policy_pass_their_gates_on_heldout_probes(full_run):
     import pandas as pd
 
-    runs = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(full_run)}
-    outputs = tracking.outputs_of(full_run)
+    runs = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(full_run)}
+    outputs = lineage.outputs_of(full_run)
     for stage, suite, model in (("reward", "reward", "reward_model"), ("critic", "critic", "critic_model"),
                                 ("ppo", "policy", "policy_model")):
         assert runs[stage].data.tags[f"rlhf.contract.{suite}"] == "passed", stage
@@ -189,7 +190,7 @@ def test_ppo_logs_trl_metrics_samples_evals_and_drops_its_checkpoints(full_run):
     assert params["ppo.switches.score_mode"] == "normalise" and params["ppo.switches.value_clip"] == "True"
     # The checkpoints (every ppo.checkpoint_every iterations, and the guard's last passing one)
     # served resuming and rolling back: once the policy is published they are gone.
-    folder = tracking.rlhf_home() / "runs" / full_run / "ppo"
+    folder = rlhf_home() / "runs" / full_run / "ppo"
     assert folder.is_dir() and not {"checkpoints", "passing"} & {p.name for p in folder.iterdir()}
 
 
@@ -198,10 +199,10 @@ def test_vanilla_ppo_reruns_on_the_same_artifacts(full_run):
 
     rerun = rlhf(preset="tiny", overrides={"ppo.preset": "vanilla", "ppo.iterations": 2}, stages=["ppo"],
                  from_run=full_run)
-    outputs = tracking.outputs_of(rerun)
+    outputs = lineage.outputs_of(rerun)
     tags = version_tags(outputs["policy_model"])
     assert tags["rlhf.ppo_preset"] == "vanilla"
-    assert tags["rlhf.input.reward_model"] == tracking.outputs_of(full_run)["reward_model"]
+    assert tags["rlhf.input.reward_model"] == lineage.outputs_of(full_run)["reward_model"]
     ppo = stage_run(rerun, "ppo")
     assert ppo.data.params["ppo.preset"] == "vanilla"
     assert set(TRL_NAMES) <= set(ppo.data.metrics)  # the same names as the PPO-max run: comparable in MLflow
@@ -248,7 +249,7 @@ def test_the_collapse_guard_rolls_back_then_stops_and_registers_the_last_passing
     history = tracking.client().get_metric_history(ppo.info.run_id, "guard/rollbacks")
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 1.0)]  # rolled back at 1, stopped at 2
     assert [m.value for m in tracking.client().get_metric_history(ppo.info.run_id, "guard/passed")] == [0.0, 0.0]
-    outputs = tracking.outputs_of(rerun)
+    outputs = lineage.outputs_of(rerun)
     tags = version_tags(outputs["policy_model"])
     assert tags["rlhf.collapse"].startswith("iteration 2: expect_column_mean_to_be_between on column 'kl'")
     assert tags["rlhf.policy_iteration"] == "0" and tags["rlhf.contract"] == "passed"
@@ -260,10 +261,10 @@ def test_the_collapse_guard_rolls_back_then_stops_and_registers_the_last_passing
 def test_ppo_on_two_deepspeed_ranks(full_run):
     cfg = load_config("tiny", ["ppo.launch.world_size=2", "ppo.launch.deepspeed=zero2", "ppo.iterations=2",
                                "ppo.rollout_batch_size=8", "ppo.minibatch_size=4"])
-    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
-    outputs = execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+    pipeline = run_writers.PipelineRun.start(cfg, ["ppo"], full_run)
+    outputs = execute("ppo", cfg, pipeline.run_id, lineage.outputs_of(full_run))
     pipeline.finish("FINISHED")
-    run = tracking.stage_runs(pipeline.run_id)[0]
+    run = lineage.stage_runs(pipeline.run_id)[0]
     assert run.data.params["ppo.engine"] == "DeepSpeedEngine" and run.data.params["ppo.world_size"] == "2"
     history = tracking.client().get_metric_history(run.info.run_id, "loss/value_avg")
     assert [m.step for m in history] == [1, 2]  # rank 0 alone logs
@@ -284,11 +285,11 @@ def test_a_critic_free_estimator_runs_the_pipeline_with_no_critic(full_run, esti
     before = critic_versions()
     overrides = {"ppo.advantage_estimator": estimator, "ppo.samples_per_prompt": 4, "ppo.iterations": 3}
     run_id = rlhf(preset="tiny", overrides=overrides, stages=["critic", "ppo", "eval"], from_run=full_run)
-    recorded = tracking.recorded_stages(tracking.client().get_run(run_id))
+    recorded = lineage.recorded_stages(tracking.client().get_run(run_id))
     assert set(recorded) == {"ppo", "eval"} and all(how == "ran" for how, _ in recorded.values())
     assert critic_versions() == before
     ppo = tracking.client().get_run(recorded["ppo"][1])
     assert ppo.data.params["ppo.critic_model"] == "none" and ppo.data.params["ppo.advantage_estimator"] == estimator
     assert "loss/value_avg" not in ppo.data.metrics and np.isfinite(ppo.data.metrics["objective/scores"])
-    policy = version_tags(tracking.stage_outputs(recorded["ppo"][1])["policy_model"])
+    policy = version_tags(lineage.stage_outputs(recorded["ppo"][1])["policy_model"])
     assert policy["rlhf.input.critic_model"] == "" and policy["rlhf.advantage_estimator"] == estimator

@@ -8,7 +8,7 @@ import pytest
 import torch
 from ppo_helpers import make_trainer
 
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages import checkpoint
 from stages.ppo.experience import response_logits

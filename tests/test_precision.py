@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stages import precision
-from stages.config import ConfigError, load_config
+from stages.config import ConfigError
+from stages.config_loading import load_config
 from stages.losses import shifted_nll
 from stages.loading import load_model
 from stages.rendering import collate

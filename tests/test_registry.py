@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from stages import registry, runs, tracking
-from stages.config import CriticRollouts, PPOConfig, load_config
+from stages import lineage, registry, runs, tracking
+from stages.config import CriticRollouts, PPOConfig
+from stages.config_loading import load_config
 from stages.registry import Stage
 
 
@@ -79,9 +80,9 @@ def test_a_stage_added_in_a_test_runs_through_the_flow(prefect_server, toy_stage
 
     assert registry.names()[:2] == ["data", "toy"]
     pipeline_run_id = rlhf(preset="tiny", stages=["data", "toy"])
-    recorded = tracking.recorded_stages(tracking.client().get_run(pipeline_run_id))
+    recorded = lineage.recorded_stages(tracking.client().get_run(pipeline_run_id))
     assert set(recorded) == {"data", "toy"} and recorded["toy"][0] == "ran"
-    outputs = tracking.stage_outputs(recorded["toy"][1])
+    outputs = lineage.stage_outputs(recorded["toy"][1])
     rows = str(load_config("tiny").data.splits.sft)
     assert outputs["toy_rows"] == rows
     views = {view.stage: view for view in runs.stage_views(tracking.client().get_run(pipeline_run_id))}
@@ -90,8 +91,8 @@ def test_a_stage_added_in_a_test_runs_through_the_flow(prefect_server, toy_stage
 
 
 def test_every_stage_returns_the_outputs_its_entry_declares(full_run):
-    recorded = tracking.recorded_stages(tracking.client().get_run(full_run))
+    recorded = lineage.recorded_stages(tracking.client().get_run(full_run))
     assert set(recorded) == set(registry.names())
     for name, (_, stage_run_id) in recorded.items():
         spec = registry.get(name)
-        assert set(tracking.stage_outputs(stage_run_id)) == {spec.run_output, *spec.outputs}, name
+        assert set(lineage.stage_outputs(stage_run_id)) == {spec.run_output, *spec.outputs}, name

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import REPO_ROOT, RewardServerConfig, load_config
+from stages.config import REPO_ROOT, RewardServerConfig
+from stages.config_loading import load_config
 from stages.launch import free_port
 from stages.reward.model import reward_model_from_lm, save_reward_model
 from stages.reward.serve import RewardScorer, ScoringQueue, ServerMetrics, make_app, make_server

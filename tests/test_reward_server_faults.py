@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import tracking
-from stages.config import REPO_ROOT, load_config
+from stages import lineage, run_writers, tracking
+from stages.config import REPO_ROOT, rlhf_home
+from stages.config_loading import load_config
 from stages.launch import StageLaunchError, execute, free_port
 from stages import checkpoint
 from stages.ppo.external_scores import RewardServerUnavailable
@@ -62,7 +63,7 @@ def _overrides(url: str, retries: int) -> dict:
 
 
 def _each_iteration_logged_once(pipeline_run_id: str) -> None:
-    (ppo_run,) = [r for r in tracking.stage_runs(pipeline_run_id) if r.data.tags["rlhf.stage"] == "ppo"]
+    (ppo_run,) = [r for r in lineage.stage_runs(pipeline_run_id) if r.data.tags["rlhf.stage"] == "ppo"]
     assert ppo_run.info.status == "FINISHED"
     client = tracking.client()
     for name, steps in (("objective/scores", range(1, ITERATIONS + 1)), ("eval/score", range(ITERATIONS + 1))):
@@ -72,7 +73,7 @@ def _each_iteration_logged_once(pipeline_run_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def rm_folder(full_run) -> Path:
-    return tracking.download(tracking.outputs_of(full_run)["reward_model"])
+    return tracking.download(lineage.outputs_of(full_run)["reward_model"])
 
 
 def test_ppo_rides_out_a_reward_server_killed_and_restarted(full_run, rm_folder, tmp_path):
@@ -111,7 +112,7 @@ def test_a_reward_server_that_never_comes_back_stops_ppo_with_a_checkpoint(full_
     url, log = f"http://127.0.0.1:{port}", tmp_path / "server.log"
     server = _start(rm_folder, port, log)
     _ready(url, server, log)
-    runs = tracking.rlhf_home() / "runs"
+    runs = rlhf_home() / "runs"
     before = set(runs.glob("*/ppo/checkpoints"))
 
     def kill() -> None:
@@ -173,10 +174,10 @@ def test_two_deepspeed_ranks_stop_together_when_one_ranks_reward_request_fails(f
     cfg = load_config("tiny", ["ppo.launch.world_size=2", "ppo.launch.deepspeed=zero2", "ppo.iterations=2",
                                "ppo.rollout_batch_size=8", "ppo.minibatch_size=4", f"ppo.reward={url}",
                                "ppo.reward_retries=0", "ppo.eval_every=2"])
-    pipeline = tracking.PipelineRun.start(cfg, ["ppo"], full_run)
+    pipeline = run_writers.PipelineRun.start(cfg, ["ppo"], full_run)
     try:
         with pytest.raises(StageLaunchError) as stopped:
-            execute("ppo", cfg, pipeline.run_id, tracking.outputs_of(full_run))
+            execute("ppo", cfg, pipeline.run_id, lineage.outputs_of(full_run))
     finally:
         pipeline.finish("FAILED")
         server.shutdown()

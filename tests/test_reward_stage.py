@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from stages import loading, registry, stats, tracking
-from stages.config import load_config
+from stages import lineage, loading, registry, run_writers, stats, tracking
+from stages.config_loading import load_config
 from stages.data import read_jsonl
 from stages.dist import Dist
 from stages.launch import execute
@@ -26,7 +26,7 @@ def reward_run(prefect_server):
 
 
 def stage_run(pipeline_run_id: str, stage: str):
-    return next(run for run in tracking.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
+    return next(run for run in lineage.stage_runs(pipeline_run_id) if run.data.tags["rlhf.stage"] == stage)
 
 
 def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
@@ -42,7 +42,7 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
     steps = int(run.data.params["reward.total_steps"])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(1, steps + 1))
 
-    outputs = tracking.outputs_of(reward_run)
+    outputs = lineage.outputs_of(reward_run)
     name, version = outputs["reward_model"].removeprefix("models:/").split("/")
     assert name == "rlhf-tiny-reward"
     # The version is the logged model `model` of the stage's run (an MLflow model: test_mlflow_models.py).
@@ -67,7 +67,7 @@ def test_flow_registers_a_reward_model_with_its_lineage(reward_run):
 def test_reward_gate_judges_one_row_per_heldout_pair(reward_run):
     import pandas as pd
 
-    outputs, run = tracking.outputs_of(reward_run), stage_run(reward_run, "reward")
+    outputs, run = lineage.outputs_of(reward_run), stage_run(reward_run, "reward")
     assert outputs["reward_run"] == run.info.run_id
     assert run.data.tags["rlhf.contract"] == run.data.tags["rlhf.contract.reward"] == "passed"
     probe = pd.read_parquet(tracking.download(outputs["reward_probe"]))
@@ -78,7 +78,7 @@ def test_reward_gate_judges_one_row_per_heldout_pair(reward_run):
 
 def test_registered_model_loads_back_with_its_score_statistics(reward_run):
     cfg = load_config("tiny", OVERRIDES)
-    outputs = tracking.outputs_of(reward_run)
+    outputs = lineage.outputs_of(reward_run)
     folder = tracking.download(outputs["reward_model"])
     assert {"model.safetensors", "score_head.safetensors", "reward_config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     model = load_reward_model(folder, cfg.model)
@@ -96,12 +96,12 @@ def test_registered_model_loads_back_with_its_score_statistics(reward_run):
 
 def test_reward_on_two_deepspeed_ranks(reward_run):
     cfg = load_config("tiny", {**OVERRIDES, "reward.launch.world_size": 2, "reward.launch.deepspeed": "zero2"})
-    inputs = tracking.outputs_of(reward_run)
-    pipeline = tracking.PipelineRun.start(cfg, ["reward"], from_run=reward_run)
+    inputs = lineage.outputs_of(reward_run)
+    pipeline = run_writers.PipelineRun.start(cfg, ["reward"], from_run=reward_run)
     outputs = execute("reward", cfg, pipeline.run_id, inputs)
     pipeline.finish("FINISHED")
 
-    children = tracking.stage_runs(pipeline.run_id)
+    children = lineage.stage_runs(pipeline.run_id)
     assert len(children) == 1  # the ranks share the one stage run
     run = children[0]
     params = run.data.params

@@ -3,8 +3,8 @@ logged on its MLflow parent run, under either naming of its metrics."""
 
 import pytest
 
-from stages import runs, tracking
-from stages.config import load_config
+from stages import run_writers, runs, tracking
+from stages.config_loading import load_config
 
 # A finished run of the data and eval stages as the tracking store holds it: its stage runs'
 # metrics, and the headline numbers it logged on itself.
@@ -21,7 +21,7 @@ PARENT_METRICS = {  # the names each scheme gives the same numbers
 
 def _recorded_run(parent_metrics: dict[str, float]) -> str:
     mlflow_client = tracking.client()
-    pipeline = tracking.PipelineRun.start(load_config("tiny"), ["data", "eval"])
+    pipeline = run_writers.PipelineRun.start(load_config("tiny"), ["data", "eval"])
     for stage, metrics in (("data", DATA_METRICS), ("eval", EVAL_METRICS)):
         stage_run = pipeline.stage(stage)
         for name, value in metrics.items():

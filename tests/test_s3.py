@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from leaks import leaks, mlflow_texts
-from stages import tracking
-from stages.config import load_config
+from stages import lineage, tracking
+from stages.config_loading import load_config
 
 BUCKET = "rlhf-artifacts"
 OVERRIDES = {
@@ -58,9 +58,9 @@ def s3_run(prefect_server, s3_server, hh_file, temp_folder):
 
 def _runs_and_versions(pipeline_run_id: str) -> tuple[list, list]:
     client = tracking.client()
-    runs = [client.get_run(pipeline_run_id), *tracking.stage_runs(pipeline_run_id)]
+    runs = [client.get_run(pipeline_run_id), *lineage.stage_runs(pipeline_run_id)]
     versions = []
-    for key, uri in tracking.outputs_of(pipeline_run_id).items():
+    for key, uri in lineage.outputs_of(pipeline_run_id).items():
         if key.endswith("_model"):  # models:/<name>/<version>; `<kind>_model_artifact` is models:/<model id>
             name, version = uri.removeprefix("models:/").split("/")
             versions.append(client.get_model_version(name, version))
@@ -77,7 +77,7 @@ def test_every_artifact_is_in_the_bucket_and_models_load_back(s3_run, s3_server,
     assert len(versions) == 2 and all(v.source.startswith(f"s3://{BUCKET}/") for v in versions)
     assert not (rlhf_home / "mlartifacts" / "rlhf-s3").exists()
 
-    outputs = tracking.outputs_of(s3_run)
+    outputs = lineage.outputs_of(s3_run)
     keys = set(s3_server.objects(BUCKET))
     for stage in ("sft", "reward"):  # each an MLflow model, logged by the stage's run
         model_id = outputs[f"{stage}_model_artifact"].removeprefix("models:/")

@@ -17,7 +17,7 @@ import pytest
 
 from eval_helpers import JudgeServer
 from leaks import files, leaks, mlflow_texts
-from stages import loading, tracking
+from stages import lineage, loading, tracking
 from stages.config import REPO_ROOT, ModelConfig
 
 # Distinctive fake secrets, with the characters that URL- and base64-encoding change.
@@ -60,7 +60,7 @@ def test_secrets_reach_nothing_the_run_wrote(secret_run, s3_server):
     assert secret_run["judge_calls"] > 0  # the key was used (sent to the judge), not just set
 
     client = tracking.client()
-    runs = [client.get_run(secret_run["run_id"]), *tracking.stage_runs(secret_run["run_id"])]
+    runs = [client.get_run(secret_run["run_id"]), *lineage.stage_runs(secret_run["run_id"])]
     versions = [version for model in client.search_registered_models() for version in
                 client.search_model_versions(f"name = '{model.name}'")]
     assert len(runs) == 7 and len(versions) == 4

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from leaks import leaks, mlflow_texts
-from stages import tracking
+from stages import lineage, tracking
 from stages.launch import free_port
 
 STAGES = ["data", "sft", "reward", "critic", "ppo"]
@@ -73,14 +73,14 @@ def _deployment_run(stack: Stack, deployment: str, parameters: dict) -> str:
                    "--watch-interval", "2", env=stack.env, timeout=900)
     assert out.returncode == 0 and "Completed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
-    return tracking.pipeline_run_of_flow_run("rlhf", flow_run_id).info.run_id
+    return lineage.pipeline_run_of_flow_run("rlhf", flow_run_id).info.run_id
 
 
 def _snapshot(pipeline_run_id: str) -> tuple:
     client = tracking.client()
     run = client.get_run(pipeline_run_id)
     children = sorted((r.info.run_id, r.info.status, tuple(sorted(r.data.tags.items())))
-                      for r in tracking.stage_runs(pipeline_run_id))
+                      for r in lineage.stage_runs(pipeline_run_id))
     return run.info.status, sorted(run.data.tags.items()), children
 
 
@@ -96,14 +96,14 @@ def runs(stack):
 
 
 def _stage_tag(pipeline_run_id: str, stage: str) -> tuple[str, str]:
-    return tracking.recorded_stages(tracking.client().get_run(pipeline_run_id))[stage]
+    return lineage.recorded_stages(tracking.client().get_run(pipeline_run_id))[stage]
 
 
 def test_full_deployment_runs_every_stage_and_its_gpu_stage_on_its_own_deployment(runs, s3_server):
     client = tracking.client()
     full = client.get_run(runs["full"])
     assert full.info.status == "FINISHED" and full.data.tags["rlhf.stages"] == ",".join(STAGES)
-    children = {run.data.tags["rlhf.stage"]: run for run in tracking.stage_runs(runs["full"])}
+    children = {run.data.tags["rlhf.stage"]: run for run in lineage.stage_runs(runs["full"])}
     assert set(children) == {"data", "sft", "reward", "critic"}
     for stage, run in children.items():
         assert run.info.status == "FINISHED"
@@ -117,11 +117,11 @@ def test_full_deployment_runs_every_stage_and_its_gpu_stage_on_its_own_deploymen
     child_pipeline = client.get_run(ppo.data.tags["mlflow.parentRunId"])
     assert child_pipeline.data.tags["rlhf.from_run"] == runs["full"]
 
-    outputs = tracking.outputs_of(runs["full"])
+    outputs = lineage.outputs_of(runs["full"])
     name, version = outputs["policy_model"].removeprefix("models:/").split("/")
-    lineage = client.get_model_version(name, version).tags
-    assert lineage["rlhf.input.sft_model"] == outputs["sft_model"]
-    assert lineage["rlhf.input.critic_model"] == outputs["critic_model"]
+    version_tags = client.get_model_version(name, version).tags
+    assert version_tags["rlhf.input.sft_model"] == outputs["sft_model"]
+    assert version_tags["rlhf.input.critic_model"] == outputs["critic_model"]
     # Every model went to the bucket through the server (boto3) and came back for the next stage.
     keys = set(s3_server.objects(BUCKET))
     for kind in ("sft", "reward", "critic", "policy"):
@@ -134,11 +134,11 @@ def test_ppo_from_run_with_nothing_changed_reuses_the_stage_and_leaves_the_old_r
     skipped = client.get_run(runs["skipped"])
     assert skipped.info.status == "FINISHED"
     assert skipped.data.tags["rlhf.from_run"] == runs["full"]
-    full_outputs = tracking.outputs_of(runs["full"])
+    full_outputs = lineage.outputs_of(runs["full"])
     assert json.loads(skipped.data.tags["rlhf.inputs"]) == full_outputs  # every input resolved from that run
     assert _stage_tag(runs["skipped"], "ppo") == ("reused", full_outputs["ppo_run"])
-    assert tracking.stage_runs(runs["skipped"]) == []  # nothing ran
-    assert tracking.outputs_of(runs["skipped"])["policy_model"] == full_outputs["policy_model"]
+    assert lineage.stage_runs(runs["skipped"]) == []  # nothing ran
+    assert lineage.outputs_of(runs["skipped"])["policy_model"] == full_outputs["policy_model"]
     assert _snapshot(runs["full"]) == runs["full_before_reruns"]
 
 
@@ -147,12 +147,12 @@ def test_ppo_from_run_with_a_changed_config_runs_on_that_runs_models(runs):
     how, ppo_run_id = _stage_tag(runs["vanilla"], "ppo")
     assert how == "ran"
     assert client.get_run(ppo_run_id).data.params["ppo.preset"] == "vanilla"
-    full_outputs, outputs = tracking.outputs_of(runs["full"]), tracking.outputs_of(runs["vanilla"])
+    full_outputs, outputs = lineage.outputs_of(runs["full"]), lineage.outputs_of(runs["vanilla"])
     assert outputs["policy_model"] != full_outputs["policy_model"]
     name, version = outputs["policy_model"].removeprefix("models:/").split("/")
-    lineage = client.get_model_version(name, version).tags
-    assert lineage["rlhf.input.sft_model"] == full_outputs["sft_model"]
-    assert lineage["rlhf.pipeline_run"] == runs["vanilla"]
+    version_tags = client.get_model_version(name, version).tags
+    assert version_tags["rlhf.input.sft_model"] == full_outputs["sft_model"]
+    assert version_tags["rlhf.pipeline_run"] == runs["vanilla"]
 
 
 def test_runs_lists_stages_status_and_headline_metrics(stack, runs):
@@ -160,7 +160,7 @@ def test_runs_lists_stages_status_and_headline_metrics(stack, runs):
     assert out.returncode == 0, out.stderr
     blocks = {block.split()[0]: block for block in out.stdout.split("\n\n")}
     assert {runs["full"], runs["skipped"], runs["vanilla"]} <= set(blocks)
-    assert re.search(r"\n  ppo +reused +" + tracking.outputs_of(runs["full"])["ppo_run"], blocks[runs["skipped"]])
+    assert re.search(r"\n  ppo +reused +" + lineage.outputs_of(runs["full"])["ppo_run"], blocks[runs["skipped"]])
     number = r"-?[\d.]+(?:e-?\d+)?"  # the paired score delta comes with its interval
     assert re.search(rf"\n  ppo +deployed .*eval/score {number} → {number} +eval/score_delta {number} "
                      rf"\[{number}, {number}\] +eval/score_delta_lc {number} \[{number}, {number}\] +eval/kl ",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.loading import cached, gguf_path, load_model, load_tokenizer, materialise_model
 
 

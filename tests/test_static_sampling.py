@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages import models
-from stages.config import load_config
+from stages.config_loading import load_config
 from stages.models import set_cuda_graphs, static_decoder_class
 from stages.models.llama import StaticDecoder
 from stages.models.shapes import bucket

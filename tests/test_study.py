@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from pipeline_helpers import version_tags
 
 from stages import study_records as studies
-from stages import stats, tracking
-from stages.config import ConfigError, load_config
+from stages import lineage, run_writers, stats, tracking
+from stages.config import ConfigError, rlhf_home
+from stages.config_loading import load_config
 from stages.data import pair_digest, read_jsonl
 
 FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
@@ -36,9 +38,9 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert all(run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == study_id
                for run in runs.values())
     assert runs["vanilla"].info.run_name == "tiny study · vanilla"
-    chain = tracking.outputs_of(runs["chain"].info.run_id)
+    chain = lineage.outputs_of(runs["chain"].info.run_id)
     for arm, preset in (("ppo-max", "ppo-max"), ("vanilla", "vanilla")):
-        policy = version_tags(tracking.outputs_of(runs[arm].info.run_id)["policy_model"])
+        policy = version_tags(lineage.outputs_of(runs[arm].info.run_id)["policy_model"])
         assert policy["rlhf.ppo_preset"] == preset
         for model in ("sft_model", "reward_model", "critic_model"):  # both arms start from the chain's models
             assert policy[f"rlhf.input.{model}"] == chain[model]
@@ -56,7 +58,7 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert 'src="data:image/png;base64,' in (folder / "study.html").read_text()  # the figure inline
     assert "Figure:" in out and "| ppo-max |" in out
     for arm in ("ppo-max", "vanilla"):  # a finished arm's PPO checkpoints are gone (each is the size of 3 models)
-        ppo_folder = tracking.rlhf_home() / "runs" / runs[arm].info.run_id / "ppo"
+        ppo_folder = rlhf_home() / "runs" / runs[arm].info.run_id / "ppo"
         assert ppo_folder.is_dir() and not {"checkpoints", "passing"} & {p.name for p in ppo_folder.iterdir()}
 
     # Resumed, a finished study runs nothing again.
@@ -78,9 +80,9 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
     assert {arm: grown[arm].info.run_id for arm in runs} == {arm: run.info.run_id for arm, run in runs.items()}
     new = grown["vanilla lr x10"]
     assert new.info.status == "FINISHED" and new.data.tags["mlflow.parentRunId"] == study_id
-    policy = version_tags(tracking.outputs_of(new.info.run_id)["policy_model"])
+    policy = version_tags(lineage.outputs_of(new.info.run_id)["policy_model"])
     assert policy["rlhf.ppo_preset"] == "vanilla" and policy["rlhf.input.critic_model"] == chain["critic_model"]
-    assert tracking.recorded_config(new.info.run_id).ppo.actor_lr == 1.0e-3
+    assert lineage.recorded_config(new.info.run_id).ppo.actor_lr == 1.0e-3
     study = client.get_run(study_id)
     assert study.info.run_name == "tiny study · ppo-max vs vanilla vs vanilla lr x10"
     assert "| vanilla lr x10 | 1 | 2 |" in tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
@@ -88,9 +90,7 @@ def test_a_two_arm_study_shares_its_chain_and_reports_intervals(prefect_server, 
 
 
 def test_the_study_presets_runs_are_not_named_study_study():
-    from stages import tracking
-
-    assert (tracking.study_title("tiny"), tracking.study_title("study")) == ("tiny study", "study")
+    assert (run_writers.study_title("tiny"), run_writers.study_title("study")) == ("tiny study", "study")
 
 
 def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(prefect_server, hh_file, tmp_path,
@@ -109,7 +109,7 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert set(runs) == {"chain", "gold", "ppo-max seed 0", "ppo-max seed 1",
                          *(f"{name} seed {s}" for name in bon for s in (0, 1))}
     assert all(run.info.status == "FINISHED" for run in runs.values())
-    chain, gold = (tracking.outputs_of(runs[name].info.run_id) for name in ("chain", "gold"))
+    chain, gold = (lineage.outputs_of(runs[name].info.run_id) for name in ("chain", "gold"))
     assert gold["splits"] == chain["splits"] and gold["reward_model"] != chain["reward_model"]
     gold_tags = version_tags(gold["reward_model"])
     assert gold_tags["rlhf.input.splits"] == chain["splits"]
@@ -118,10 +118,10 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     seeds = []
     for seed in (0, 1):
         arm = runs[f"ppo-max seed {seed}"]
-        config = tracking.recorded_config(arm.info.run_id)
+        config = lineage.recorded_config(arm.info.run_id)
         assert config.ppo.seed == seed and config.ppo.gold_reward_model == gold["reward_model"]
         assert config.eval.judges[0].name == "gold" and config.eval.judges[0].model == gold["reward_model"]
-        stages = tracking.recorded_stages(arm)
+        stages = lineage.recorded_stages(arm)
         ppo = client.get_run(stages["ppo"][1]).data.metrics
         assert {"eval/gold_score", "eval/gold_score_delta_ci_low"} <= set(ppo)
         assert len(client.get_metric_history(stages["ppo"][1], "eval/gold_score")) == 3  # SFT, iterations 1 and 2
@@ -145,7 +145,7 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert (folder / "overoptimisation.png").read_bytes()[:4] == b"\x89PNG"
     text = (folder / "study.md").read_text()
     assert "Gold RM (pipeline run" in text and "held-out accuracy" in text and "Proxy RM held-out accuracy" in text
-    reward_stages = {name: tracking.recorded_stages(runs[name])["reward"][1] for name in ("chain", "gold")}
+    reward_stages = {name: lineage.recorded_stages(runs[name])["reward"][1] for name in ("chain", "gold")}
     rm_metrics = {name: client.get_run(stage).data.metrics for name, stage in reward_stages.items()}
     # The gold RM scores the proxy's held-out pairs too (pairs it never trains on), each by its identity.
     splits = tracking.download(chain["splits"])
@@ -288,10 +288,10 @@ def test_an_arm_breached_at_every_check_is_judged_on_its_final_policy(prefect_se
                  "eval.ceval.subjects=[law]", "sft.epochs=1", "reward.max_steps=4", "critic.max_steps=2"]
     study_id = study(preset="tiny", overrides=overrides)
     arm = studies.arm_runs(study_id)["ppo-max"]
-    stages, client = tracking.recorded_stages(arm), tracking.client()
+    stages, client = lineage.recorded_stages(arm), tracking.client()
     ppo = client.get_run(stages["ppo"][1])
     assert (ppo.data.tags["rlhf.policy_iteration"], ppo.data.tags["rlhf.final_iteration"]) == ("0", "2")
-    assert tracking.outputs_of(arm.info.run_id)["final_policy_model"] == f"runs:/{ppo.info.run_id}/final_policy"
+    assert lineage.outputs_of(arm.info.run_id)["final_policy_model"] == f"runs:/{ppo.info.run_id}/final_policy"
     judged = client.get_run(stages["eval"][1]).data.metrics
     assert judged["eval/judge/reward_model/tie_rate"] == 1.0  # the registered policy is SFT: its answers are SFT's
     final = {key: judged[f"eval/final/judge/reward_model/{key}"] for key in ("net_win", "n", "tie_rate")}
@@ -316,23 +316,22 @@ def test_the_controlled_setting_trains_the_proxy_on_the_gold_rms_labels(prefect_
     study_id = study(preset="tiny", overrides=overrides)
     runs = studies.arm_runs(study_id)
     assert set(runs) == {"base", "gold", "chain", "ppo-max"} and all(r.info.status == "FINISHED" for r in runs.values())
-    base, gold, chain = (tracking.outputs_of(runs[name].info.run_id) for name in ("base", "gold", "chain"))
+    base, gold, chain = (lineage.outputs_of(runs[name].info.run_id) for name in ("base", "gold", "chain"))
     assert gold["sft_model"] == chain["sft_model"] == base["sft_model"] and "reward_model" not in base
-    assert tracking.recorded_config(runs["chain"].info.run_id).reward.labels_from == gold["reward_model"]
-    reward = tracking.client().get_run(tracking.recorded_stages(runs["chain"])["reward"][1]).data.metrics
+    assert lineage.recorded_config(runs["chain"].info.run_id).reward.labels_from == gold["reward_model"]
+    reward = tracking.client().get_run(lineage.recorded_stages(runs["chain"])["reward"][1]).data.metrics
     train, heldout = reward["data/relabelled_train_pairs"], reward["data/relabelled_heldout_pairs"]
     assert 0 < train < 96 and 0 <= heldout <= 32  # a gold RM of 4 steps disagrees with some human labels
-    policy = version_tags(tracking.outputs_of(runs["ppo-max"].info.run_id)["policy_model"])
+    policy = version_tags(lineage.outputs_of(runs["ppo-max"].info.run_id)["policy_model"])
     assert policy["rlhf.input.reward_model"] == chain["reward_model"] != gold["reward_model"]
     text = tracking.download(f"runs:/{study_id}/study").joinpath("study.md").read_text()
     assert "Controlled setting (`study.gold_relabels`" in text and f"({train:.0f} training and" in text
     assert "gold score Δ vs SFT" in text  # the gold RM is the truth by construction
 
 
-def _reward_pipeline_run(name: str, metrics: dict[str, float], outcomes: list["pd.DataFrame"] | None) -> str:
+def _reward_pipeline_run(name: str, metrics: dict[str, float], outcomes: list[pd.DataFrame] | None) -> str:
     """A pipeline run whose reward stage's run holds `metrics` and (unless None) the per-pair
     outcomes the reward stage logs, in the real MLflow store; its id."""
-    import pandas as pd
 
     from stages.reward.report import PAIR_OUTCOMES
     from stages.tags import STAGE_TAG_PREFIX

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import interrupt, loading, tracking
+from stages import interrupt, loading, run_writers, tracking
 from stages.config import LocalJudgeConfig, ModelConfig, PipelineConfig
 from stages.data import corpus_texts, read_jsonl
 from stages.dist import Dist
@@ -261,7 +261,7 @@ def judge_verdicts(cfg: PipelineConfig, judged: pd.DataFrame, qualities: dict[st
     return metrics, False, f"no (no judge could judge: {', '.join(invalid)})", cfg.eval.judges[0].name
 
 
-def log_ceval_lineage(cfg: PipelineConfig, tracker: tracking.StageRun) -> None:
+def log_ceval_lineage(cfg: PipelineConfig, tracker: run_writers.StageRun) -> None:
     """Where C-Eval came from: `ceval.source`, the hub repository and revision (`ceval.repo`,
     `ceval.revision`; `mirror` for a mirror's copy), and every CSV's sha256 in `ceval_files.json`."""
     splits = ("val", "dev") if max(cfg.eval.ceval.shots, default=0) > 0 else ("val",)
@@ -318,7 +318,7 @@ def benchmark_metrics(answers: pd.DataFrame, ceval_seconds: float, lm_eval: dict
     return metrics, ceval_table, shortfall, lm_eval_table
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun, inputs: dict, dist: Dist) -> dict:
+def run(cfg: PipelineConfig, tracker: run_writers.StageRun, inputs: dict, dist: Dist) -> dict:
     ev = cfg.eval
     started = time.perf_counter()
     models = {"sft": inputs["sft_model_dir"]}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.named_registry import add_entry, entry_named
 from stages.tensors import masked_whiten
 
 if TYPE_CHECKING:
@@ -86,20 +87,15 @@ def register_advantage_estimator(name: str, *, needs_critic: bool, min_samples_p
     """Decorator: register `fn` as `ppo.advantage_estimator=<name>`."""
 
     def register(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"an advantage estimator named {name!r} is registered already")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_critic, min_samples_per_prompt, whiten_switch)
+        estimator = AdvantageEstimator(name, fn, needs_critic, min_samples_per_prompt, whiten_switch)
+        add_entry(ADVANTAGE_ESTIMATORS, "advantage estimator", name, estimator)
         return fn
 
     return register
 
 
 def advantage_estimator(name: str) -> AdvantageEstimator:
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: "
-                         f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}") from None
+    return entry_named(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def needs_critic(ppo: PPOConfig) -> bool:

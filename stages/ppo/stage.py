@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from stages import lifecycle, loading, mlflow_models, precision, registry, stats, tracking
+from stages import lifecycle, loading, mlflow_models, precision, registry, run_writers, stats, tracking
 from stages.checkpoint import load_rng_state, rng_state
 from stages.config import PipelineConfig, StatisticsConfig
 from stages.data import read_jsonl
@@ -154,7 +154,7 @@ class PPOTraining(lifecycle.TrainingStage):
     name, unit, checkpoint_unit, keep_checkpoints = "ppo", "iteration", "iter", 2
     progress_metrics = {"score": "objective/scores", "kl": "objective/kl"}
 
-    def __init__(self, cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist,
+    def __init__(self, cfg: PipelineConfig, tracker: run_writers.StageRun | None, inputs: dict, dist: Dist,
                  contract: ContractCheck):
         ppo = self.ppo = cfg.ppo
         self.cfg, self.tracker = cfg, tracker
@@ -268,6 +268,6 @@ class PPOTraining(lifecycle.TrainingStage):
         return self.tracker.artifact_uri("final_policy")
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+def run(cfg: PipelineConfig, tracker: run_writers.StageRun | None, inputs: dict, dist: Dist) -> dict:
     stage = PPOTraining(cfg, tracker, inputs, dist, contract=registry.contract_check())
     return lifecycle.run(stage, cfg, tracker, inputs, dist)

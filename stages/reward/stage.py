@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from stages import lifecycle, loading, precision, stats, tracking
+from stages import lifecycle, loading, precision, run_writers, stats, tracking
 from stages.config import ConfigError, PipelineConfig, RewardConfig
 from stages.data import RM_SPLITS, pair_digest, read_jsonl
 from stages.dist import Dist
@@ -316,5 +316,5 @@ class RewardTraining(lifecycle.TrainingStage):
             report=report)
 
 
-def run(cfg: PipelineConfig, tracker: tracking.StageRun | None, inputs: dict, dist: Dist) -> dict:
+def run(cfg: PipelineConfig, tracker: run_writers.StageRun | None, inputs: dict, dist: Dist) -> dict:
     return lifecycle.run(RewardTraining(cfg, inputs, dist), cfg, tracker, inputs, dist)
