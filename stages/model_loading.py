@@ -11,8 +11,9 @@ inside `deepspeed.zero.Init` and copy the checkpoint in one module at a time, so
 holds a whole copy of any model. Frozen models then run as ZeRO-3 inference engines
 (`deepspeed.initialize` without an optimiser: DeepSpeed's parameter offload gathers each module's
 weights for its forward), their partitions in host memory with `launch.offload_params` — OpenRLHF's
-frozen reference and reward model (openrlhf/utils/deepspeed/deepspeed.py, `get_ds_eval_config`).
-Without DeepSpeed, or under ZeRO-1/2, models load whole as before."""
+frozen reference and reward model (openrlhf/utils/deepspeed/deepspeed_utils.py `get_eval_ds_config`,
+prepared by deepspeed.py `_ds_init_eval_model`).
+Without DeepSpeed, or under ZeRO-1/2, models load whole."""
 
 from __future__ import annotations
 
