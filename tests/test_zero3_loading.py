@@ -26,6 +26,7 @@ from stages.loading import load_tokenizer
 from stages.logprobs import token_logprobs
 from stages.model_loading import frozen_lm, frozen_reward_model, trained_lm
 from stages.ppo.experience import response_logits
+from stages.ppo.generation import generate
 from stages.ppo.sampling import left_pad
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,29 @@ def partition_shares(model) -> list[tuple[str, int, int, int]]:
     return [(name, p.ds_numel, p.ds_tensor.numel(), p.numel()) for name, p in model.named_parameters()]
 
 
+GREEDY = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, do_sample=False)
+
+
+def rollouts_out_of_step(model_dir: str, model_cfg, dist, tokenizer, prompts: list[list[int]]) -> dict:
+    """Greedy rollouts of the plain SFT model and of its ZeRO-3 copy, where rank 0's one row ends at
+    its first token (that token is the EOS here) and rank 1's runs all eight: the ranks' forwards
+    gather every layer together, so rank 0 must keep stepping until rank 1 ends."""
+    plain, _ = frozen_lm(model_dir, model_cfg, "cpu")
+    pad = tokenizer.pad_token_id
+
+    def greedy(model, rows, eos_id):
+        return generate(model, rows, eos_id=eos_id, pad_id=pad, **GREEDY)
+
+    first = [int(greedy(plain, [p], -1).sequences[0, len(p)]) for p in prompts[:8]]
+    eos = first[0]
+    runs_on = next(p for p in prompts[1:] if eos not in greedy(plain, [p], -1).sequences[0, len(p):].tolist())
+    row = [prompts[0] if dist.rank == 0 else runs_on]
+    partitioned, _ = frozen_lm(model_dir, model_cfg, "cpu", dist)
+    rollouts = {"plain": greedy(plain, row, eos), "zero3": greedy(partitioned, row, eos)}
+    return {name: {"sequences": r.sequences, "response_mask": r.response_mask, "width": r.prompt_width}
+            for name, r in rollouts.items()}
+
+
 def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     """One rank: the plain frozen models and the ZeRO-3 ones (without, then with parameter offload)
     on the same batch, and a trained model built under ZeRO-3; writes rank<r>.pt into `out`."""
@@ -83,7 +107,9 @@ def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     engines = [model.inference_engine for model in results["zero3_offload"].pop("models")]
     offloaded = [engine.zero_offload_param() is not None for engine in engines]
     results["plain"].pop("models")
-    torch.save({"results": results, "shares": shares, "offloaded": offloaded}, Path(out, f"rank{rank}.pt"))
+    rollouts = rollouts_out_of_step(model_dir, model_cfg, dist, tokenizer, prompts)
+    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts},
+               Path(out, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +117,15 @@ def ranks(tiny, reward_model_dir, tmp_path_factory) -> list[dict]:
     """What each of two ranks computed."""
     model_dir, _, prompts = tiny
     out = tmp_path_factory.mktemp("zero3")
-    (out / "prompts.json").write_text(json.dumps(prompts[:8]))
+    (out / "prompts.json").write_text(json.dumps(prompts[:32]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
            __file__, str(model_dir), reward_model_dir, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as err:  # a collective one rank never joins waits for ever
+        raise AssertionError(f"the ranks did not finish: {(err.stderr or b'')[-3000:]!r}") from None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
 
@@ -127,6 +156,20 @@ def test_no_rank_holds_a_whole_model_under_zero3(ranks, model):
             assert visible == 0, f"{name}: {visible} elements outside the partition"
             assert numel / RANKS <= local <= numel / RANKS + 1, (name, numel, local)
     assert max(held) <= whole / RANKS + len(per_rank[0]), (held, whole)
+
+
+def test_zero3_ranks_sample_in_step_until_every_rank_has_ended(ranks):
+    """Rank 0's row ends at its first token, rank 1's runs on: both finish, each with the plain
+    model's tokens, rank 0 padding after its EOS while rank 1 samples."""
+    lengths = []
+    for rank in ranks:
+        plain, partitioned = rank["rollouts"]["plain"], rank["rollouts"]["zero3"]
+        mask = partitioned["response_mask"].bool()
+        assert mask.sum() == plain["response_mask"].sum()
+        response = partitioned["sequences"][0, partitioned["width"]:][mask[0]]
+        assert response.tolist() == plain["sequences"][0, plain["width"]:][plain["response_mask"][0].bool()].tolist()
+        lengths.append((int(mask.sum()), mask.shape[1]))
+    assert lengths == [(1, GREEDY["max_new_tokens"]), (GREEDY["max_new_tokens"],) * 2]
 
 
 if __name__ == "__main__":
