@@ -64,21 +64,18 @@ GREEDY = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, repetition_
 
 
 def rollouts_out_of_step(model_dir: str, model_cfg, dist, tokenizer, prompts: list[list[int]]) -> dict:
-    """Greedy rollouts of the plain SFT model and of its ZeRO-3 copy, where rank 0's one row ends at
-    its first token (that token is the EOS here) and rank 1's runs all eight: the ranks' forwards
-    gather every layer together, so rank 0 must keep stepping until rank 1 ends."""
+    """Greedy rollouts of the plain SFT model and of its ZeRO-3 copy, where rank 0's row ends at its
+    first token (that token is its EOS) and rank 1's runs all eight (its EOS is no token): the
+    ranks' forwards gather every layer together, so rank 0 must keep stepping until rank 1 ends."""
     plain, _ = frozen_lm(model_dir, model_cfg, "cpu")
-    pad = tokenizer.pad_token_id
+    row = [prompts[dist.rank]]
 
-    def greedy(model, rows, eos_id):
-        return generate(model, rows, eos_id=eos_id, pad_id=pad, **GREEDY)
+    def greedy(model, eos_id):
+        return generate(model, row, eos_id=eos_id, pad_id=tokenizer.pad_token_id, **GREEDY)
 
-    first = [int(greedy(plain, [p], -1).sequences[0, len(p)]) for p in prompts[:8]]
-    eos = first[0]
-    runs_on = next(p for p in prompts[1:] if eos not in greedy(plain, [p], -1).sequences[0, len(p):].tolist())
-    row = [prompts[0] if dist.rank == 0 else runs_on]
+    eos = int(greedy(plain, -1).sequences[0, len(row[0])]) if dist.rank == 0 else -1
     partitioned, _ = frozen_lm(model_dir, model_cfg, "cpu", dist)
-    rollouts = {"plain": greedy(plain, row, eos), "zero3": greedy(partitioned, row, eos)}
+    rollouts = {"plain": greedy(plain, eos), "zero3": greedy(partitioned, eos)}
     return {name: {"sequences": r.sequences, "response_mask": r.response_mask, "width": r.prompt_width}
             for name, r in rollouts.items()}
 
@@ -117,7 +114,7 @@ def ranks(tiny, reward_model_dir, tmp_path_factory) -> list[dict]:
     """What each of two ranks computed."""
     model_dir, _, prompts = tiny
     out = tmp_path_factory.mktemp("zero3")
-    (out / "prompts.json").write_text(json.dumps(prompts[:32]))
+    (out / "prompts.json").write_text(json.dumps(prompts[:8]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
