@@ -219,7 +219,21 @@ def trainable(model, model_cfg: ModelConfig, device: str):
         add_lora(model, model_cfg)
     if model_cfg.gradient_checkpointing:
         checkpoint_activations(model)
-    return model if is_partitioned(model) else model.to(device)
+    if is_partitioned(model):
+        whole_parameters_as_the_partitions(model)
+        return model
+    return model.to(device)
+
+
+def whole_parameters_as_the_partitions(model) -> None:
+    """DeepSpeed casts a module to its engine's dtype, except one built under `zero.Init`: the
+    parameters made after it (a reward model's scalar head, LoRA adapters) take the partitions'
+    dtype here, as in a model the engine partitions itself; DeepSpeed partitions them, on its
+    device, when the engine starts."""
+    dtype = next(p.dtype for p in model.parameters() if hasattr(p, "ds_id"))
+    for p in model.parameters():
+        if not hasattr(p, "ds_id") and p.is_floating_point():
+            p.data = p.data.to(dtype)
 
 
 def is_partitioned(model) -> bool:
@@ -291,9 +305,9 @@ def load_models(cfg: PipelineConfig, inputs: dict, dist: Dist, train_actor: bool
     if needs_critic(cfg.ppo):
         with loaded(dist, cfg.model, frozen=False):
             critic = load_reward_model(inputs.get("critic_model_dir", rm_dir), cfg.model)
-        critic = trainable(critic, cfg.model, dist.device)
         if "critic_model_dir" not in inputs:  # a pre-trained critic is on this scale already
             values_on_the_shaped_scale(critic, initial_moments(reward_model), cfg.ppo.switches()["score_mode"])
+        critic = trainable(critic, cfg.model, dist.device)
     if cfg.ppo.reward == "rm":
         score_fn = reward_model_scores(reward_model)
     elif is_text_reward_source(cfg.ppo.reward):
