@@ -225,8 +225,10 @@ class LaunchConfig(_Section):
     offload_params: bool = Field(
         False,
         description="Under ZeRO-3 also keep the parameters' partitions in host memory between uses (DeepSpeed's "
-                    "offload_param device cpu), fetched to the device layer by layer. Needs `deepspeed` with a ZeRO-3 "
-                    "config and offload_optimizer. DeepSpeed ZeRO-Infinity's CPU form. ours: off.")
+                    "offload_param device cpu), fetched to the device layer by layer: the trained models' and the "
+                    "frozen ones' (a ZeRO-3 inference engine's, stages/model_loading.py; OpenRLHF: "
+                    "--ref_reward_offload). Needs `deepspeed` with a ZeRO-3 config and offload_optimizer. DeepSpeed "
+                    "ZeRO-Infinity's CPU form. ours: off.")
 
     @model_validator(mode="after")
     def _offload_runs_on_deepspeed(self) -> LaunchConfig:

@@ -249,8 +249,10 @@ class Role:
 def model_states(role: Role, precision: str, sharding: Sharding, largest_module: int) -> Role:
     """Weights, master weights, gradients and AdamW states of `role` per device, in bytes.
 
-    Frozen: the weights in the run's precision, whole on every rank (our stages never shard a
-    frozen model). Trained, our plain engine (stages/training.py `PlainEngine`):
+    Frozen: the weights in the run's precision, whole on every rank; under ZeRO-3 a ZeRO-3
+    inference engine (stages/model_loading.py): its partition Ψ/N, and its largest module gathered
+    for that module's forward (no gradient), with offload_param the partition on the host
+    (OpenRLHF's frozen reference and reward model, DeepSpeed's `offload_param`). Trained, our plain engine (stages/training.py `PlainEngine`):
       fp32: weights 4Ψ, gradients 4Ψ, AdamW 8Ψ (the paper's 16Ψ);
       bf16: bf16 compute weights 2Ψ + fp32 masters 4Ψ; gradients 2Ψ bf16 (each backward's) + 4Ψ fp32
             (`MasterWeights.accumulate`); AdamW 8Ψ — 20Ψ. On a CPU with one backward a step no fp32
@@ -268,7 +270,7 @@ def model_states(role: Role, precision: str, sharding: Sharding, largest_module:
     gathered module at ZeRO-3)."""
     psi = role.params
     if not role.trained:
-        return replace(role, weights=psi * (2 if precision == "bf16" else 4))
+        return frozen_states(role, precision, sharding, largest_module)
     if sharding.zero is None:
         if precision == "bf16":
             return replace(role, weights=2 * psi, master=4 * psi, grads=6 * psi, optimizer=8 * psi)
@@ -294,6 +296,18 @@ def model_states(role: Role, precision: str, sharding: Sharding, largest_module:
         offloaded, weights = offloaded + weights, 0
     return replace(role, weights=weights + gathered, master=master, grads=grads + fp32_grads, optimizer=optimizer,
                    offloaded=offloaded)
+
+
+def frozen_states(role: Role, precision: str, sharding: Sharding, largest_module: int) -> Role:
+    """A frozen model's weights per device (`model_states`): whole, or under ZeRO-3 partitioned with
+    one module gathered at a time, the partition on the host with offload_param."""
+    element = 2 if precision == "bf16" else 4
+    if (sharding.zero or 0) < 3:
+        return replace(role, weights=element * role.params)
+    partition, gathered = element * role.params // sharding.world_size, element * largest_module
+    if sharding.offload_param:
+        return replace(role, weights=gathered, offloaded=partition)
+    return replace(role, weights=partition + gathered)
 
 
 # -- activations, logits, KV cache ----------------------------------------------------------------
@@ -472,12 +486,10 @@ def lora_model_states(name: str, params: int, trained: int, precision: str, shar
     engine's; the plain engine keeps their fp32 originals, to save, beside the bf16 copies), its
     `trained` parameters (the adapters, and a scalar head) with masters, gradients and moments."""
     trained_part = model_states(Role(name, True, trained), precision, sharding, 0)
-    frozen = model_states(Role(name, False, params), precision, sharding, largest_module).weights
-    if sharding.zero == 3:  # partitioned, one module gathered at a time
-        frozen = frozen // sharding.world_size + 2 * largest_module
-    elif sharding.zero is None and precision == "bf16":
-        frozen += 4 * params
-    return replace(trained_part, params=params, weights=trained_part.weights + frozen)
+    frozen = frozen_states(Role(name, False, params), precision, sharding, largest_module)
+    weights = frozen.weights + (4 * params if sharding.zero is None and precision == "bf16" else 0)
+    return replace(trained_part, params=params, weights=trained_part.weights + weights,
+                   offloaded=trained_part.offloaded + frozen.offloaded)
 
 
 def reward_batch_tokens(r) -> int:

@@ -94,7 +94,7 @@ class SFTTraining(lifecycle.TrainingStage):
         torch.manual_seed(sft.seed)
         self.splits_dir, model_dir = Path(inputs["splits_dir"]), inputs["base_model_dir"]
         tokenizer = self.tokenizer = loading.load_tokenizer(model_dir, cfg.model)
-        model = trained_lm(model_dir, cfg.model, dist.device)
+        model = trained_lm(model_dir, cfg.model, dist.device, dist)
         loading.align_pad_token(model, tokenizer)
 
         def encode(rows):

@@ -65,9 +65,19 @@ def test_model_states_by_zero_stage_match_hand_computed_bytes():
     assert states("bf16", zero=3, offload_optimizer=True, offload_param=True) == (400, 0, 0, 0, 5000)
     # fp32 under DeepSpeed: no bf16 copies, its own fp32 partitions to step
     assert states("fp32", zero=2) == (4000, 1000, 1000, 2000, 0)
-    # frozen: the weights only, whole on every rank
+    # frozen: the weights only, whole on every rank without ZeRO-3
+    for sharding in (Sharding(world_size=n), Sharding(world_size=n, zero=2)):
+        frozen = model_states(Role("reference", False, psi), "bf16", sharding, largest)
+        assert (frozen.weights, frozen.total, frozen.offloaded) == (2000, 2000, 0)
+    # ZeRO-3: a ZeRO-3 inference engine's partition (2Ψ/N) and its largest module gathered for its
+    # forward (2 bytes a parameter, no gradient); offload_param: the partition on the host
     frozen = model_states(Role("reference", False, psi), "bf16", Sharding(world_size=n, zero=3), largest)
-    assert (frozen.weights, frozen.total) == (2000, 2000)
+    assert (frozen.weights, frozen.total, frozen.offloaded) == (500 + 200, 700, 0)
+    frozen = model_states(Role("reference", False, psi), "bf16", Sharding(world_size=n, zero=3, offload_optimizer=True,
+                                                                          offload_param=True), largest)
+    assert (frozen.weights, frozen.offloaded) == (200, 500)
+    frozen = model_states(Role("reference", False, psi), "fp32", Sharding(world_size=n, zero=3), largest)
+    assert frozen.weights == 1000 + 400
 
 
 def test_a_cpu_bf16_stage_that_steps_from_bf16_gradients_plans_no_fp32_gradients():
@@ -369,3 +379,22 @@ def test_rlhf_plan_prints_the_cheapest_switches_when_a_stage_does_not_fit(capsys
                      "zero2", "--device", "cuda", "--device-memory", "80", "--stages", "sft"])
     printed = capsys.readouterr().out
     assert code == 1 and "the cheapest switches that make each stage fit:\n  sft: --set sft.launch.offload_optimizer=true" in printed
+
+
+def test_rlhf_plan_fits_ppo_at_70b_on_16_gpus_with_partitioned_frozen_models(capsys):
+    """Llama-3-70B PPO-max on 16 × 80 GB: the reference and the reward model partitioned as the
+    trained models (ZeRO-3 inference engines) leave room; held whole (140 GB each in bf16) they
+    alone exceed a GPU, whatever the trained models' switches."""
+    from flows import cli
+
+    code = cli.main(["plan", "--preset", "demo", "--architecture", "llama-3-70b", "--world-size", "16", "--device",
+                     "cuda", "--device-memory", "80", "--stages", "ppo"])
+    printed = capsys.readouterr().out
+    remedy = printed.split("the cheapest switches that make each stage fit:\n  ppo: ", 1)[1].splitlines()[0]
+    assert code == 1 and "ppo.launch.deepspeed=zero3" in remedy, printed
+    cfg = plan.with_switches(load_config("demo", ["ppo.launch.world_size=16"]),
+                             [s.removeprefix("--set ") for s in remedy.split(" --set ")])
+    ppo = plan.plan_stage(cfg, "ppo", plan.read_architecture(cfg.model, "llama-3-70b"), "cuda")
+    assert ppo.peak <= 80 * plan.GiB
+    reference = next(r for r in ppo.roles if r.name == "reference")
+    assert reference.weights + reference.offloaded < 2 * reference.params / 8  # a sixteenth of it, not all

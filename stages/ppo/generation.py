@@ -3,7 +3,7 @@
 The log-probabilities come from the very logits the token was sampled from, so the experience
 needs no second forward pass of the actor (TRL reads them from `generate`'s scores the same way;
 we keep one number per token instead of the [B, R, vocab] scores). The loop stops as soon as every
-row has ended, and the LM head runs on one position per row and step, prompt included. The model
+row has ended (on every rank, when a ZeRO-3 actor's ranks sample in step), and the LM head runs on one position per row and step, prompt included. The model
 steps come from `stages.models.decoder` (a model's fast path, or its own forward); on a CUDA device
 under `model.cuda_graphs: auto` the loop runs on static buffers with its step replayed as a CUDA
 graph instead (stages/ppo/static_sampling.py), sampling the same way.
@@ -25,6 +25,7 @@ import torch
 
 from stages.logprobs import token_logprobs
 from stages.models import decoder, static_decoder_class
+from stages.models.plain import partitioned
 from stages.ppo import static_sampling
 from stages.ppo.sampling import Rollout, left_pad, next_tokens
 
@@ -48,6 +49,23 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
                                if isinstance(value, torch.Tensor)})
 
 
+def samples_in_step(actor) -> bool:
+    """Whether the ranks sample in step: a ZeRO-3 actor's forward gathers each layer's weights from
+    every rank, so one rank's step with no partner's waits for ever (transformers' `synced_gpus`)."""
+    return (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+            and any(partitioned(p) for p in actor.parameters()))
+
+
+def every_row_ended(ended: torch.Tensor, synced: bool) -> bool:
+    """Whether sampling stops: every row has ended, on every rank when they sample in step (a rank
+    whose rows ended steps on, drawing pads, until the others' have too)."""
+    if not synced:
+        return bool(ended.all())
+    flag = ended.all().to(torch.int32).reshape(1)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
             top_p: float, top_k: int, repetition_penalty: float, do_sample: bool, device: str) -> Rollout:
     prompt_ids, prompt_mask = left_pad(prompts, pad_id, device)
@@ -61,6 +79,7 @@ def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_ne
     generated = (torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
                  if repetition_penalty != 1.0 else None)
     tokens, logprobs, model_logprobs, alive = [], [], [], []
+    synced = samples_in_step(actor)
     while True:
         logits = logits.float()
         token = next_tokens(logits, generated, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -72,7 +91,7 @@ def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_ne
             model_logprobs.append(token_logprobs(logits, token, 1.0))
         tokens.append(token)
         ended = ended | (token == eos_id)
-        if bool(ended.all()) or len(tokens) == steps:
+        if len(tokens) == steps or every_row_ended(ended, synced):
             break
         if generated is not None:
             rows = alive[-1]  # the rows that drew a token this step

@@ -187,7 +187,7 @@ class PPOTraining(lifecycle.TrainingStage):
         self.gold_fn = None
         if "gold_reward_model_dir" in inputs:
             self.gold_fn = reward_model_scores(frozen_reward_model(inputs["gold_reward_model_dir"], cfg.model,
-                                                                   dist.device))
+                                                                   dist.device, dist))
         self.first_metrics, self.baseline = evaluate(trainer, self.eval_prompts, self.eval_rows, self.gold_fn)
         self.collapse_guard = CollapseGuard(cfg, self.baseline, dist.workdir, dist, contract)
 

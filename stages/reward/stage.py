@@ -191,7 +191,7 @@ class RewardTraining(lifecycle.TrainingStage):
         torch.manual_seed(rm.seed)
         splits_dir, sft_dir = Path(inputs["splits_dir"]), inputs["sft_model_dir"]
         self.tokenizer = loading.load_tokenizer(sft_dir, cfg.model)
-        model = trained_reward_model(sft_dir, cfg.model, dist.device)
+        model = trained_reward_model(sft_dir, cfg.model, dist.device, dist)
         loading.align_pad_token(model.lm, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
 

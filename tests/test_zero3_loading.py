@@ -1,0 +1,173 @@
+"""Under ZeRO-3 every model is built partitioned (`stages.model_loading`): on two DeepSpeed CPU
+ranks over gloo, the frozen reference and reward model as ZeRO-3 inference engines (with and
+without `launch.offload_params`) give the plain models' log-probs and scores on the same batch, and
+no rank holds a whole copy of a trained or a frozen model: each weight is a partition
+(`ds_numel` elements in all, about half of them on each rank, none outside its module's forward).
+
+The ranks run this module's `rank_main` under torchrun; each writes what it computed, and the test
+compares them here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.config import LaunchConfig, load_config
+from stages.dist import Dist
+from stages.launch import free_port, resolve_deepspeed_config
+from stages.loading import load_tokenizer
+from stages.logprobs import token_logprobs
+from stages.model_loading import frozen_lm, frozen_reward_model, trained_lm
+from stages.ppo.experience import response_logits
+from stages.ppo.generation import generate
+from stages.ppo.sampling import left_pad
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = 2
+# Both sides compute in fp32; the ranks' gathered weights are the checkpoint's, so only the order of
+# a few reductions may differ.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def batch(tokenizer, prompts: list[list[int]]):
+    """Eight prompts with six more tokens each, left-padded: (sequences, attention mask, prompt width)."""
+    rows = [p[:12] + [(7 * i + k) % 500 + 5 for k in range(6)] for i, p in enumerate(prompts[:8])]
+    ids, mask = left_pad(rows, tokenizer.pad_token_id, "cpu")
+    return ids, mask, ids.shape[1] - 6
+
+
+def frozen_outputs(model_dir: str, rm_dir: str, model_cfg, dist, ids, mask, width) -> dict:
+    """The reference's log-probs of the last six tokens (as PPO takes them: `response_logits`) and
+    the reward model's scores, by the models `stages.model_loading` loads for `dist` (None: plain)."""
+    reference, _ = frozen_lm(model_dir, model_cfg, "cpu", dist)
+    reward_model = frozen_reward_model(rm_dir, model_cfg, "cpu", dist)
+    with torch.no_grad():
+        logits = response_logits(reference, ids, mask, width)
+        logprobs = token_logprobs(logits.float(), ids[:, width:], 1.0)
+        scores, _ = reward_model(input_ids=ids, attention_mask=mask)
+    return {"logprobs": logprobs, "scores": scores.float(), "models": (reference, reward_model)}
+
+
+def partition_shares(model) -> list[tuple[str, int, int, int]]:
+    """(name, whole size ds_numel, this rank's partition size, size outside a forward) per weight."""
+    return [(name, p.ds_numel, p.ds_tensor.numel(), p.numel()) for name, p in model.named_parameters()]
+
+
+GREEDY = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, do_sample=False)
+
+
+def rollouts_out_of_step(model_dir: str, model_cfg, dist, tokenizer, prompts: list[list[int]]) -> dict:
+    """Greedy rollouts of the plain SFT model and of its ZeRO-3 copy, where rank 0's row ends at its
+    first token (that token is its EOS) and rank 1's runs all eight (its EOS is no token): the
+    ranks' forwards gather every layer together, so rank 0 must keep stepping until rank 1 ends."""
+    plain, _ = frozen_lm(model_dir, model_cfg, "cpu")
+    row = [prompts[dist.rank]]
+
+    def greedy(model, eos_id):
+        return generate(model, row, eos_id=eos_id, pad_id=tokenizer.pad_token_id, **GREEDY)
+
+    eos = int(greedy(plain, -1).sequences[0, len(row[0])]) if dist.rank == 0 else -1
+    partitioned, _ = frozen_lm(model_dir, model_cfg, "cpu", dist)
+    rollouts = {"plain": greedy(plain, eos), "zero3": greedy(partitioned, eos)}
+    return {name: {"sequences": r.sequences, "response_mask": r.response_mask, "width": r.prompt_width}
+            for name, r in rollouts.items()}
+
+
+def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
+    """One rank: the plain frozen models and the ZeRO-3 ones (without, then with parameter offload)
+    on the same batch, and a trained model built under ZeRO-3; writes rank<r>.pt into `out`."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # deferred: DS_ACCELERATOR above must be set before it loads
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as stages.launch
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    model_cfg = load_config("tiny", ["model.precision=fp32"]).model
+    tokenizer = load_tokenizer(model_dir, model_cfg)
+    prompts = json.loads(Path(out, "prompts.json").read_text())
+    ids, mask, width = batch(tokenizer, prompts)
+    results = {"plain": frozen_outputs(model_dir, rm_dir, model_cfg, None, ids, mask, width)}
+    for name, offload in (("zero3", False), ("zero3_offload", True)):
+        launch = LaunchConfig(world_size=RANKS, deepspeed="zero3", offload_optimizer=offload, offload_params=offload)
+        dist = Dist(rank=rank, world_size=RANKS, deepspeed_config=resolve_deepspeed_config("ppo", launch))
+        results[name] = frozen_outputs(model_dir, rm_dir, model_cfg, dist, ids, mask, width)
+    shares = {f"frozen_{kind}": partition_shares(model)
+              for kind, model in zip(("reference", "reward_model"), results["zero3"].pop("models"))}
+    shares["trained"] = partition_shares(trained_lm(model_dir, model_cfg, "cpu", dist))
+    engines = [model.inference_engine for model in results["zero3_offload"].pop("models")]
+    offloaded = [engine.zero_offload_param() is not None for engine in engines]
+    results["plain"].pop("models")
+    rollouts = rollouts_out_of_step(model_dir, model_cfg, dist, tokenizer, prompts)
+    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts},
+               Path(out, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny, reward_model_dir, tmp_path_factory) -> list[dict]:
+    """What each of two ranks computed."""
+    model_dir, _, prompts = tiny
+    out = tmp_path_factory.mktemp("zero3")
+    (out / "prompts.json").write_text(json.dumps(prompts[:8]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
+           __file__, str(model_dir), reward_model_dir, str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as err:  # a collective one rank never joins waits for ever
+        raise AssertionError(f"the ranks did not finish: {(err.stderr or b'')[-3000:]!r}") from None
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("mode", ["zero3", "zero3_offload"])
+def test_frozen_zero3_inference_engines_give_the_plain_models_numbers(ranks, mode):
+    for rank in ranks:
+        plain, partitioned = rank["results"]["plain"], rank["results"][mode]
+        torch.testing.assert_close(partitioned["logprobs"], plain["logprobs"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(partitioned["scores"], plain["scores"], rtol=RTOL, atol=ATOL)
+    # the numbers say something: the scores differ between rows, the log-probs are a model's, not 0
+    assert ranks[0]["results"]["plain"]["scores"].std() > 0
+    assert ranks[0]["results"]["plain"]["logprobs"].abs().min() > 0
+    assert all(all(rank["offloaded"]) for rank in ranks)  # the offload run's engines offload their partitions
+
+
+@pytest.mark.parametrize("model", ["trained", "frozen_reference", "frozen_reward_model"])
+def test_no_rank_holds_a_whole_model_under_zero3(ranks, model):
+    """Every weight is partitioned from the start: outside a forward a rank holds no element of the
+    whole tensor (numel 0), only its partition, and the two ranks' partitions are the weight once
+    (DeepSpeed pads each to equal size: at most one element short per rank)."""
+    per_rank = [rank["shares"][model] for rank in ranks]
+    assert per_rank[0], "no parameters"
+    whole = sum(numel for _, numel, _, _ in per_rank[0])
+    held = [sum(local for _, _, local, _ in shares) for shares in per_rank]
+    for shares in per_rank:
+        for name, numel, local, visible in shares:
+            assert visible == 0, f"{name}: {visible} elements outside the partition"
+            assert numel / RANKS <= local <= numel / RANKS + 1, (name, numel, local)
+    assert max(held) <= whole / RANKS + len(per_rank[0]), (held, whole)
+
+
+def test_zero3_ranks_sample_in_step_until_every_rank_has_ended(ranks):
+    """Rank 0's row ends at its first token, rank 1's runs on: both finish, each with the plain
+    model's tokens, rank 0 padding after its EOS while rank 1 samples."""
+    lengths = []
+    for rank in ranks:
+        plain, partitioned = rank["rollouts"]["plain"], rank["rollouts"]["zero3"]
+        mask = partitioned["response_mask"].bool()
+        assert mask.sum() == plain["response_mask"].sum()
+        response = partitioned["sequences"][0, partitioned["width"]:][mask[0]]
+        assert response.tolist() == plain["sequences"][0, plain["width"]:][plain["response_mask"][0].bool()].tolist()
+        lengths.append((int(mask.sum()), mask.shape[1]))
+    assert lengths == [(1, GREEDY["max_new_tokens"]), (GREEDY["max_new_tokens"],) * 2]
+
+
+if __name__ == "__main__":
+    rank_main(*sys.argv[1:4])
