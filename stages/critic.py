@@ -122,8 +122,9 @@ class CriticTraining(lifecycle.TrainingStage):
         heldout = encode_prompts(self.tokenizer, heldout_rows, self.cfg.ppo.max_prompt_len)
         probe = heldout_probe(trainer, heldout[self.dist.rank :: self.dist.world_size], [r["row"] for r in heldout_rows])
 
+        critic_model = trained_model(trainer.critic)  # every rank: a ZeRO-3 engine's weights are gathered
+
         def save(out: Path) -> None:
-            critic_model = trained_model(trainer.critic)
             critic_model.score_mean, critic_model.score_std = self.reward_model.score_mean, self.reward_model.score_std
             # The running score statistics go with the critic: PPO continues them, count and all.
             save_reward_model(critic_model, self.tokenizer, out, {

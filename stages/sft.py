@@ -185,9 +185,9 @@ class SFTTraining(lifecycle.TrainingStage):
         loss_after, ppl_after = heldout_perplexity(engine.module, self.heldout, tokenizer.pad_token_id,
                                                    sft.micro_batch_size, self.dist)
         probe_rows, probe_seconds = [], []
+        model = trained_model(engine)  # every rank: a ZeRO-3 engine's weights are gathered
 
         def save(out: Path) -> None:
-            model = trained_model(engine)
             model.config.use_cache = True
             model.save_pretrained(out, safe_serialization=True)
             tokenizer.save_pretrained(out)

@@ -416,13 +416,50 @@ def make_engine(model, optimizer, scheduler, *, micro_batch_size: int, grad_accu
 
 
 def trained_model(engine):
-    """The model an engine trained, for saving: in fp32 with its master weights under bf16
-    (`PlainEngine.restore_fp32`; the engine trains no further); DeepSpeed's module as it is (bf16
-    weights under its bf16 mode). LoRA adapters (`model.lora`) are merged into their layers: a plain
-    transformers model."""
-    model = engine.restore_fp32() if isinstance(engine, PlainEngine) else engine.module
-    merge_adapters(model)
+    """The model an engine trained, for saving, on the main rank (None on the others): in fp32 with
+    its master weights under bf16 (`PlainEngine.restore_fp32`; the engine trains no further);
+    DeepSpeed's module as it is (bf16 weights under its bf16 mode). LoRA adapters (`model.lora`) are
+    merged into their layers: a plain transformers model. Every rank calls it: under ZeRO-3 each
+    rank holds a partition of every weight, and gathering them is a collective."""
+    if isinstance(engine, PlainEngine):
+        model = engine.restore_fp32()
+    elif engine.zero_optimization_partition_weights():
+        model = gathered_whole(engine)
+    else:
+        model = engine.module if torch.distributed.get_rank() == 0 else None
+    if model is not None:
+        merge_adapters(model)
     return model
+
+
+ENGINE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def gathered_whole(engine):
+    """A ZeRO-3 engine's module with every weight whole, on the main rank's CPU, apart from the
+    engine (which goes on partitioned: PPO rolls back and saves again); None on the other ranks.
+    The weights come from DeepSpeed's consolidated state dict (one layer gathered at a time, shared
+    weights kept shared: what transformers' Trainer saves under ZeRO-3); the module's structure
+    from a copy of the partitioned one (LoRA layers and a reward model's head included) without
+    DeepSpeed's hooks, which would gather partitions this copy does not have."""
+    import copy  # deferred: only a ZeRO-3 save copies a module
+
+    state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
+    if state is None:  # not the main rank
+        return None
+    module = engine.module
+    stashed = {(m, name): getattr(m, name) for m in module.modules() for name in ENGINE_HOOKS if hasattr(m, name)}
+    try:
+        for (m, name), hooks in stashed.items():
+            setattr(m, name, type(hooks)())
+        whole = copy.deepcopy(module)  # its parameters: empty, as the partitioned module shows them
+    finally:
+        for (m, name), hooks in stashed.items():
+            setattr(m, name, hooks)
+    for name, param in whole.named_parameters(remove_duplicate=False):  # a tied weight: one tensor, set twice
+        param.data = state[name]
+    return whole
 
 
 def total_norm(tensors: list) -> torch.Tensor:

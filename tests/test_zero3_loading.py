@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import LaunchConfig, load_config
+from stages.config import LaunchConfig
+from stages.config_loading import load_config
 from stages.dist import Dist
 from stages.launch import free_port, resolve_deepspeed_config
 from stages.loading import load_tokenizer
@@ -28,6 +29,7 @@ from stages.model_loading import frozen_lm, frozen_reward_model, trained_lm
 from stages.ppo.experience import response_logits
 from stages.ppo.generation import generate
 from stages.ppo.sampling import left_pad
+from stages.training import adamw, make_engine, trained_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -105,8 +107,36 @@ def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     offloaded = [engine.zero_offload_param() is not None for engine in engines]
     results["plain"].pop("models")
     rollouts = rollouts_out_of_step(model_dir, model_cfg, dist, tokenizer, prompts)
-    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts},
+    # Every weight stays partitioned, as a real model's do (DeepSpeed keeps tensors under the
+    # persistence threshold, 1e5 elements by default, whole on every rank: all of the tiny model's).
+    config = resolve_deepspeed_config("sft", LaunchConfig(world_size=RANKS, deepspeed="zero3"))
+    config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
+    zero3 = Dist(rank=rank, world_size=RANKS, deepspeed_config=config)
+    saved = save_after_a_step(model_dir, model_cfg, zero3, ids, mask, Path(out, "saved"))
+    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts, "saved": saved},
                Path(out, f"rank{rank}.pt"))
+
+
+def save_after_a_step(model_dir: str, model_cfg, dist, ids, mask, out: Path) -> dict | None:
+    """A ZeRO-3 engine trains the SFT model one step; every rank asks for the trained model (as a
+    stage's `finish` does) and the main rank saves it as the stages do. On the main rank: the
+    engine's weights gathered by DeepSpeed itself, to compare with the saved file."""
+    import deepspeed  # deferred: the ranks' module only
+
+    model = trained_lm(model_dir, model_cfg, "cpu", dist)
+    optimizer = adamw(model, dist, lr=1e-2)
+    engine = make_engine(model, optimizer, None, micro_batch_size=ids.shape[0], grad_accum_steps=1,
+                         max_grad_norm=1.0, precision="fp32", dist=dist)
+    loss = engine(input_ids=ids, attention_mask=mask, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    whole = trained_model(engine)
+    if dist.is_main:
+        whole.save_pretrained(out, safe_serialization=True)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        gathered = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    return gathered if dist.is_main else None
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +154,7 @@ def ranks(tiny, reward_model_dir, tmp_path_factory) -> list[dict]:
     except subprocess.TimeoutExpired as err:  # a collective one rank never joins waits for ever
         raise AssertionError(f"the ranks did not finish: {(err.stderr or b'')[-3000:]!r}") from None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
+    return [{**torch.load(out / f"rank{r}.pt", weights_only=False), "out": str(out)} for r in range(RANKS)]
 
 
 @pytest.mark.parametrize("mode", ["zero3", "zero3_offload"])
@@ -167,6 +197,25 @@ def test_zero3_ranks_sample_in_step_until_every_rank_has_ended(ranks):
         assert response.tolist() == plain["sequences"][0, plain["width"]:][plain["response_mask"][0].bool()].tolist()
         lengths.append((int(mask.sum()), mask.shape[1]))
     assert lengths == [(1, GREEDY["max_new_tokens"]), (GREEDY["max_new_tokens"],) * 2]
+
+
+def test_a_model_trained_under_zero3_is_saved_whole(ranks, tmp_path_factory):
+    """The saved model holds every weight whole, with the values the engine trained (DeepSpeed's
+    own gather of the partitions), not a rank's empty view of them."""
+    from safetensors.torch import load_file
+
+    gathered = ranks[0]["saved"]
+    folder = Path(ranks[0]["out"], "saved")
+    saved = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        saved.update(load_file(file))
+    assert gathered and saved
+    for name, tensor in gathered.items():
+        if name not in saved:  # a tied weight is saved once
+            continue
+        assert saved[name].shape == tensor.shape, (name, saved[name].shape, tensor.shape)
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    assert set(saved) <= set(gathered) and len(saved) >= len(gathered) - 1
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ class PPOTraining(lifecycle.TrainingStage):
         final_policy = self.publish_final_policy() if guard.state.passing_iteration != final_iteration else None
         if guard.state.passing_iteration != final_iteration:
             trainer.roll_back_to(guard.passing_folder())
-        policy = trained_model(trainer.actor) if trainer.dist.is_main else None
+        policy = trained_model(trainer.actor)  # every rank: a ZeRO-3 engine's weights are gathered
 
         def save(out: Path) -> None:
             policy.config.use_cache = True
@@ -257,7 +257,7 @@ class PPOTraining(lifecycle.TrainingStage):
     def publish_final_policy(self) -> str | None:
         """The final policy's folder as the artifact `final_policy` of the stage's run (main rank):
         its URI, None on the other ranks."""
-        policy = trained_model(self.trainer.actor) if self.trainer.dist.is_main else None
+        policy = trained_model(self.trainer.actor)  # every rank: a ZeRO-3 engine's weights are gathered
         if policy is None:
             return None
         folder = self.tracker.workdir / "final_policy"

@@ -287,6 +287,7 @@ class RewardTraining(lifecycle.TrainingStage):
             proxy_metrics, proxy_outcomes = self.on_proxy_pairs()
             metrics.update(proxy_metrics)
             outcomes.append(proxy_outcomes)
+        model = trained_model(engine)  # every rank: a ZeRO-3 engine's weights are gathered
 
         def report(tracker) -> None:
             histogram = tracker.workdir / "margin_histogram.png"
@@ -297,7 +298,6 @@ class RewardTraining(lifecycle.TrainingStage):
             tracker.log_table(pd.concat(outcomes, ignore_index=True), PAIR_OUTCOMES)
 
         def save(out: Path) -> None:
-            model = trained_model(engine)
             save_reward_model(model, self.tokenizer, out, {"heldout_pairs": len(heldout),
                                                            "heldout_accuracy": metrics["eval/accuracy"]})
             save_adapter(model, out)
