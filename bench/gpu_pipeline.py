@@ -38,7 +38,7 @@ def main() -> None:
     # The plan's GPU prediction; its memory bound only matters for the verdict, which is not read here.
     gpu_plan = plan.plan(cfg, device="cuda", memory_gib=None if torch.cuda.is_available() else 80.0)
     predicted = {sp.stage: sp.peak for sp in gpu_plan.stages}
-    names = [name for name in registry.names() if not registry.get(name).skipped(cfg)]
+    names = [name for name in registry.pipeline_names() if not registry.get(name).skipped(cfg)]
     pipeline = run_writers.PipelineRun.start(cfg, names)
     outputs: dict = {}
     wall: dict[str, float] = {}

@@ -198,7 +198,7 @@ def rlhf(
     """Run the pipeline stages in order; returns the MLflow run id of this pipeline run.
 
     overrides: `{"sft": {"lr": 1e-5}}` or `{"sft.lr": 1e-5}`. stages: a subset of the stage
-    names (default: all). from_run: a previous pipeline run id (or `latest`) whose outputs feed
+    names (default: the pipeline's, registry.pipeline_names()). from_run: a previous pipeline run id (or `latest`) whose outputs feed
     the stages not run here. resume: a failed or killed pipeline run id to continue, with
     the config it started with (preset and overrides are not read): its finished stages are kept, the others run again in its folders (training resumes from the
     last good checkpoint). force: run every stage, even one whose inputs and config match an
@@ -214,7 +214,7 @@ def rlhf(
         inputs, remaining = lineage.resume_plan(resume)
         stages = [name for name in (stages or remaining) if name in remaining]
     else:
-        stages = stages or registry.names()
+        stages = stages or registry.pipeline_names()
     _check_stages(cfg, stages)
     if from_run == "latest":
         from_run = lineage.latest_pipeline_run(cfg)

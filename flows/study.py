@@ -2,8 +2,8 @@
 gold reward model on the chain's gold pairs (with `study.gold_relabels` trained first, from the
 chain's data and SFT, and the proxy RM learns its labels), then PPO and evaluation once per arm (and seed of
 `study.seeds`) on the chain's artifacts, each a pipeline run (a subflow of this one) nested under
-the study's MLflow run; the best-of-n arms (a subflow); at the end the study's figures and table
-(stages/study_records.py).
+the study's MLflow run; the best-of-n arms (the best-of-n stage once per seed, stages/best_of_n.py);
+at the end the study's figures and table (stages/study_records.py).
 
 Arms run one after another in this process. A study resumes where it stopped (`resume`: the
 study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
@@ -21,11 +21,14 @@ from prefect.exceptions import CancelledRun
 from prefect.states import Cancelled
 
 from flows import services
-from flows.rlhf import rlhf
+from flows.rlhf import rlhf, run_stage
 from stages import study_records as studies
-from stages import lineage, tracking
+from stages import lineage, run_writers, tracking
 from stages.config import ConfigError, PipelineConfig, StudyConfig, rlhf_home
 from stages.config_loading import load_config
+from stages.interrupt import StageInterrupted
+
+BEST_OF_N_STAGE = "best_of_n"  # the registry's stage of the best-of-n arms' draws
 
 
 def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any]) -> list[str]:
@@ -35,21 +38,40 @@ def _arm_overrides(base: dict[str, Any] | list[str] | None, arm: dict[str, Any])
     return [*(base or []), *(f"{k}={json.dumps(v)}" for k, v in arm.items())]
 
 
+def draw_best_of_n(study_id: str, cfg: PipelineConfig, chain: str, gold_model: str | None, seed: int) -> str:
+    """The best-of-n stage for one seed, from the chain's outputs, as a pipeline run of that stage
+    nested under the study's run (not an arm: its draws serve every best-of-n arm of the seed). It
+    runs as every stage does (flows/rlhf.run_stage: a Prefect task under the stage's cache key, so a
+    resumed study reuses draws it finished; ranks per `best_of_n.launch`); the URI of its draws."""
+    seeded = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"seed": seed, "gold_reward_model": gold_model})})
+    inputs = lineage.outputs_of(chain)
+    pipeline = run_writers.PipelineRun.start(seeded, [BEST_OF_N_STAGE], from_run=chain, inputs=inputs,
+                                          extra_tags={"mlflow.parentRunId": study_id})
+    tracking.client().update_run(pipeline.run_id, name=f"{run_writers.study_title(cfg.preset)} · best-of-n draws, seed {seed}")
+    try:
+        produced = run_stage(BEST_OF_N_STAGE, seeded, pipeline, inputs, force=False)
+    except StageInterrupted:
+        pipeline.finish("KILLED")
+        raise
+    except BaseException:
+        pipeline.finish("FAILED")
+        raise
+    pipeline.finish("FINISHED")
+    return produced["best_of_n_draws"]
+
+
 def best_of_n(study_id: str, cfg: PipelineConfig, chain: str, gold_model: str | None,
               arms: dict[str, tuple[int, int]], done: dict[str, Any]) -> None:
-    """The best-of-n arms (stages/best_of_n.py): one set of draws per seed serves every n; an arm
-    finished before is kept."""
-    from stages import best_of_n as bon  # deferred: imports torch, which the flow process needs for these arms only
-
-    chain_outputs = lineage.outputs_of(chain)
+    """The best-of-n arms: one run of the best-of-n stage per seed serves every n; an arm finished
+    before is kept."""
     for seed in dict.fromkeys(seed for _, seed in arms.values()):
         todo = {name: n for name, (n, s) in arms.items() if s == seed
                 and (done.get(name) is None or done[name].info.status != "FINISHED")}
         if not todo:
             continue
-        drawn = bon.draw(cfg, chain_outputs, gold_model, max(todo.values()) + 1, seed)
+        drawn = studies.read_draws(draw_best_of_n(study_id, cfg, chain, gold_model, seed))
         for name, n in todo.items():
-            run_id = studies.log_best_of_n(study_id, cfg, name, n, seed, bon.arm_metrics(drawn, n, cfg))
+            run_id = studies.log_best_of_n(study_id, cfg, name, n, seed, studies.best_of_n_metrics(drawn, n, cfg))
             print(f"study {study_id}: {name} (run {run_id})")
 
 
@@ -112,7 +134,7 @@ def study(preset: str = "study", overrides: dict[str, Any] | list[str] | None = 
             best_of_n(study_id, cfg, chain, gold_model, bon, done)
             names += list(bon)
         text = studies.finish(study_id, cfg, names, rlhf_home() / "studies" / study_id)
-    except CancelledRun as err:  # an arm stopped on request
+    except (CancelledRun, StageInterrupted) as err:  # an arm or the best-of-n draws stopped on request
         tracking.client().set_terminated(study_id, status="KILLED")
         message = f"{err}. Resume the study with: {services.command('rlhf')} study --resume {study_id}"
         print(message)

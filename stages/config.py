@@ -984,6 +984,18 @@ class StudyConfig(_Section):
         return arms
 
 
+class BestOfNConfig(_Section):
+    """Where a study's best-of-n draws run (stages/best_of_n.py). What they draw is set elsewhere:
+    the n by `study.best_of_n`, the sampling and the seed by PPO's held-out checks (`ppo.generation`,
+    `ppo.heldout_prompts`, `ppo.max_prompt_len`, `ppo.seed`), the gold RM by `ppo.gold_reward_model`."""
+
+    launch: LaunchConfig = Field(
+        LaunchConfig(), description="How the draws run (LaunchConfig): world_size > 1 (or a DeepSpeed config) runs "
+                                    "them as ranks under torchrun, on a GPU each where there is one, each rank "
+                                    "drawing for its share of the prompts with seed ppo.seed + rank. ours: "
+                                    "in-process by default, as every stage.")
+
+
 class OrchestrationConfig(_Section):
     """How the flow runs the stages (flows/rlhf.py). Only infrastructure failures are retried (a
     rank that crashed, a lost connection); a gate or a training error fails the same way again."""
@@ -1071,6 +1083,7 @@ class PipelineConfig(_Section):
     statistics: StatisticsConfig = Field(StatisticsConfig(), description="Confidence intervals of the policy-vs-SFT "
                                                                          "comparisons.")
     study: StudyConfig = Field(StudyConfig(), description="`rlhf study`: PPO arms on one shared chain.")
+    best_of_n: BestOfNConfig = Field(BestOfNConfig(), description="Where a study's best-of-n draws run.")
     orchestration: OrchestrationConfig = Field(OrchestrationConfig(), description="How the flow runs the stages.")
     reward_server: RewardServerConfig = Field(RewardServerConfig(), description="`rlhf serve-reward`: batching "
                                                                                 "across requests and limits.")

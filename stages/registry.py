@@ -46,6 +46,9 @@ class Stage:
     resumes: bool = False
     gpu: bool = True  # trains or runs models: served on the GPU work pool, Prefect tag `gpu`
     deployed: bool = True  # served as the deployment `rlhf/<name>` (reads the rest from `from_run`)
+    # Run by a pipeline run that names no stages; False: only by a run or a flow that names it
+    # (a study's best-of-n draws, which need the study's n, seed and gold RM).
+    in_pipeline: bool = True
     # Metrics `rlhf runs` and a run's ending show, in order (`*` matches any part of a name); one
     # logged at step 0 and again later shows as before → after.
     headline: tuple[str, ...] = ()
@@ -109,6 +112,11 @@ def names() -> list[str]:
     return list(STAGES)
 
 
+def pipeline_names() -> list[str]:
+    """The stages of a pipeline run that names none (`in_pipeline`), in order."""
+    return [name for name, stage in STAGES.items() if stage.in_pipeline]
+
+
 def get(name: str) -> Stage:
     if name not in STAGES:
         raise KeyError(unknown_stage_message([name]))
@@ -157,5 +165,12 @@ for _stage in (
           headline=("eval/judge/*/accuracy", "eval/judge/*/win_rate", "eval/judge/*/tie_rate", "eval/judge/*/lose_rate",
                     "eval/judge/*/n", "eval/judge/*/net_win", "eval/judge/*/net_win_lc", "eval/ceval_*shot/overall/delta",
                     "eval/lm_eval/*/delta")),
+    # A study's best-of-n arms (flows/study.py runs it once per seed): the SFT model's draws, scored by the
+    # reward model and `ppo.gold_reward_model`, sampled as PPO's held-out checks sample (`ppo.*` below).
+    Stage("best_of_n", "stages.best_of_n",
+          config=("model", "data", "best_of_n", "study.best_of_n", "ppo.generation", "ppo.heldout_prompts",
+                  "ppo.max_prompt_len", "ppo.seed", "ppo.gold_reward_model", "eval.generation_batch_size"),
+          inputs=("splits", "sft_model", "reward_model"), outputs=("best_of_n_draws",), deployed=False,
+          in_pipeline=False, headline=("best_of_n/sft_score", "best_of_n/sft_response_length")),
 ):
     register(_stage)

@@ -248,7 +248,7 @@ def run_title(cfg: PipelineConfig, stages: list[str], from_run: str | None) -> s
     """A pipeline run's name says what ran: `demo · ppo-max` for the whole pipeline,
     `demo · ppo vanilla rerun of 4ac5fade` (or `demo · ppo-max rerun of …`) for PPO alone on an
     earlier run's artifacts."""
-    if set(registry.names()) <= set(stages):
+    if set(registry.pipeline_names()) <= set(stages):
         what = ppo_arm(cfg)
     else:
         arm = ppo_arm(cfg) if cfg.ppo.preset.startswith("ppo") else f"ppo {ppo_arm(cfg)}"

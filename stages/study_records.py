@@ -10,8 +10,8 @@ score against √KL to SFT, every arm), the table of final numbers with their co
 (across seeds where an arm has several), and each arm's headline numbers as metrics
 `<arm>/<name>` so MLflow's compare view lines them up. With `study.gold` a second pipeline run,
 `gold`, trains the gold RM on the chain's gold pairs and scores the proxy's held-out pairs with it,
-so the two RMs compare pair by pair (`SamePairs`); best-of-n arms (stages/best_of_n.py) are
-runs of their own, tagged `rlhf.arm_kind=best_of_n`.
+so the two RMs compare pair by pair (`SamePairs`); best-of-n arms are runs of their own, tagged
+`rlhf.arm_kind=best_of_n`, their numbers read from the best-of-n stage's draws (stages/best_of_n.py).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)
 # An arm's stages make or read the policy; the chain's, every other stage, run once for all arms;
 # the gold reward model is the reward stage's model trained on the gold splits.
-ARM_STAGES = [s.name for s in registry.STAGES.values() if "policy_model" in (*s.outputs, *s.inputs)]
-CHAIN_STAGES = [name for name in registry.names() if name not in ARM_STAGES]
+ARM_STAGES = [s.name for s in registry.STAGES.values() if s.in_pipeline and "policy_model" in (*s.outputs, *s.inputs)]
+CHAIN_STAGES = [name for name in registry.pipeline_names() if name not in ARM_STAGES]
 GOLD_STAGES = [s.name for s in registry.STAGES.values() if s.registers == "reward"]
 # `study.gold_relabels`: the chain's stages before the reward model (data, SFT) run first, so the
 # gold RM trains from them and relabels the proxy's pairs; the rest of the chain follows.
@@ -87,6 +87,37 @@ def best_of_n_names(cfg: PipelineConfig) -> dict[str, tuple[int, int]]:
     seeds = cfg.study.seeds or [cfg.ppo.seed]
     return {f"best-of-{n}" + (f" seed {seed}" if cfg.study.seeds else ""): (n, seed)
             for seed in seeds for n in cfg.study.best_of_n}
+
+
+def analytic_kl(n: int) -> float:
+    """KL(best-of-n ‖ SFT) = log n − (n − 1)/n nats (Gao et al. 2022, eq. 1)."""
+    return math.log(n) - (n - 1) / n
+
+
+def read_draws(uri: str) -> dict[str, np.ndarray]:
+    """The best-of-n stage's output `best_of_n_draws`: per score (proxy, gold: NaN without a gold
+    RM, length) a [draws, prompts] array, draw 0 the SFT baseline."""
+    with tracking.fetched(uri) as path, np.load(path) as saved:
+        return {name: saved[name] for name in saved.files}
+
+
+def best_of_n_metrics(drawn: dict[str, np.ndarray], n: int, cfg: PipelineConfig) -> dict[str, float]:
+    """Best-of-n's numbers under the names of PPO's last held-out check (eval/score, eval/kl,
+    eval/score_delta with its paired interval, ...), so a study's table and figure read both alike."""
+    options = {"level": cfg.statistics.ci_level, "resamples": cfg.statistics.bootstrap_resamples,
+               "seed": cfg.statistics.seed}
+    candidates = drawn["proxy"][1 : n + 1]
+    kept = candidates.argmax(axis=0) + 1
+    columns = np.arange(candidates.shape[1])
+    metrics = {"eval/kl": analytic_kl(n), "eval/best_of_n": float(n)}
+    for name, metric in (("proxy", "score"), ("gold", "gold_score"), ("length", "response_length")):
+        if np.isnan(drawn[name]).all():
+            continue
+        chosen, baseline = drawn[name][kept, columns], drawn[name][0]
+        metrics[f"eval/{metric}"] = float(chosen.mean())
+        metrics[f"eval/sft_{metric}"] = float(baseline.mean())
+        metrics.update(stats.paired_delta(chosen, baseline, **options).metrics(f"eval/{metric}_delta"))
+    return metrics
 
 
 def log_best_of_n(study_id: str, cfg: PipelineConfig, name: str, n: int, seed: int, metrics: dict[str, float]) -> str:

@@ -92,7 +92,7 @@ def test_a_stage_added_in_a_test_runs_through_the_flow(prefect_server, toy_stage
 
 def test_every_stage_returns_the_outputs_its_entry_declares(full_run):
     recorded = lineage.recorded_stages(tracking.client().get_run(full_run))
-    assert set(recorded) == set(registry.names())
+    assert set(recorded) == set(registry.pipeline_names())
     for name, (_, stage_run_id) in recorded.items():
         spec = registry.get(name)
         assert set(lineage.stage_outputs(stage_run_id)) == {spec.run_output, *spec.outputs}, name

@@ -12,7 +12,7 @@ import pytest
 from pipeline_helpers import version_tags
 
 from stages import study_records as studies
-from stages import lineage, run_writers, stats, tracking
+from stages import lineage, registry, run_writers, stats, tracking
 from stages.config import ConfigError, rlhf_home
 from stages.config_loading import load_config
 from stages.data import pair_digest, read_jsonl
@@ -192,6 +192,41 @@ def test_a_gold_study_with_seeds_and_best_of_n_reports_gold_and_per_seed_deltas(
     assert "command: `rlhf study --preset tiny --set" in printed and "study.gold=true" in printed
     assert main(["report", runs["chain"].info.run_id]) == 2
     assert "is not a study run" in capsys.readouterr().err
+
+
+def test_best_of_n_is_a_stage_run_as_ranks_and_skipped_when_it_ran_before(prefect_server):
+    """The best-of-n draws run as every stage does: through the launcher (here two CPU ranks under
+    torchrun, each drawing for half the prompts, rank 0 showing a progress bar), recorded in MLflow
+    with the launch params other stages log, and cached under the stage's key: a second run on the
+    same inputs and config reuses the first's stage run."""
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE, temporary_settings
+
+    from flows.rlhf import rlhf
+
+    chain = rlhf(preset="tiny", stages=["data", "sft", "reward"], overrides={"sft.epochs": 1, "reward.max_steps": 2})
+    overrides = {"study.best_of_n": [1, 2], "best_of_n.launch.world_size": 2}
+    with temporary_settings({PREFECT_TASKS_REFRESH_CACHE: False}):  # conftest reruns every stage; this test reads the cache
+        first, second = (rlhf(preset="tiny", stages=["best_of_n"], from_run=chain, overrides=overrides) for _ in range(2))
+    client = tracking.client()
+    (how, stage_run), (again, reused) = (lineage.recorded_stages(client.get_run(run))["best_of_n"] for run in (first, second))
+    assert (how, again, reused) == ("ran", "reused", stage_run)
+
+    run = client.get_run(stage_run)
+    assert {"precision", "precision.hardware", "allocator"} <= set(run.data.params)  # execute's, as every stage's
+    assert run.data.params["best_of_n.world_size"] == "2" and run.data.params["best_of_n.draws"] == "3"
+    assert "stage/seconds" in run.data.metrics  # rank 0 of the launched ranks logs it
+    chain_outputs = lineage.outputs_of(chain)
+    assert run.data.tags["rlhf.input.sft_model"] == chain_outputs["sft_model"]
+    assert run.data.tags["rlhf.config_hash"] == registry.get("best_of_n").config_hash(lineage.recorded_config(first))
+    ranks_log = (tracking.rlhf_home() / "runs" / first / "best_of_n" / "ranks.log").read_text()
+    assert "best_of_n: 100%" in ranks_log  # the draws' progress bar
+
+    drawn = studies.read_draws(lineage.stage_outputs(stage_run)["best_of_n_draws"])
+    prompts = load_config("tiny").ppo.heldout_prompts
+    assert {name: values.shape for name, values in drawn.items()} == {name: (3, prompts) for name in ("proxy", "gold", "length")}
+    assert np.isfinite(drawn["proxy"]).all() and np.isnan(drawn["gold"]).all() and (drawn["length"] > 0).all()
+    metrics = studies.best_of_n_metrics(drawn, 2, load_config("tiny"))
+    assert metrics["eval/kl"] == pytest.approx(math.log(2) - 0.5) and "eval/gold_score" not in metrics
 
 
 def _ppo_arm(name: str, final: dict, eval_metrics: dict, registered: int, last: int = 16) -> "studies.ArmResult":
