@@ -47,11 +47,13 @@ TOLERANCE = 0.25
 
 # Each mode: the config overrides it adds to the common ones. ZeRO-2 is what a 2-rank stage runs
 # on when ppo.launch.deepspeed is unset (stages.launch.resolve_deepspeed_config).
+# ZERO3 clips each engine's gradients alone: DeepSpeed 0.19.8's safe_update_full_grad_vectorized,
+# which the joint actor+critic clip calls, fails on ZeRO-3 partitions (tests/test_ppo_distributed.py).
+ZERO3 = ["ppo.launch.deepspeed=zero3", "ppo.global_grad_clip=false"]
 MODES = {
     "plain": [],
-    "zero3": ["ppo.launch.deepspeed=zero3"],
-    "zero3-offload": ["ppo.launch.deepspeed=zero3", "ppo.launch.offload_optimizer=true",
-                      "ppo.launch.offload_params=true"],
+    "zero3": ZERO3,
+    "zero3-offload": [*ZERO3, "ppo.launch.offload_optimizer=true", "ppo.launch.offload_params=true"],
     "lora": ["model.lora.rank=16"],
     # "zero3-partitioned-frozen": the zero3 mode plus the switch that loads every model partitioned
     # and runs the frozen ones as ZeRO-3 inference engines, once the config has it.
@@ -191,7 +193,10 @@ def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int) -> lis
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     rows = [json.loads(line.removeprefix("RESULT ")) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or len(rows) != 2:
-        raise SystemExit(f"{mode}: the ranks failed (exit {out.returncode})\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+        log = spec.with_name("ranks.log")
+        log.write_text(out.stdout + out.stderr)
+        errors = "\n".join(line for line in out.stderr.splitlines() if "Error" in line)
+        raise SystemExit(f"{mode}: the ranks failed (exit {out.returncode}; their output: {log})\n{errors}")
     return sorted(rows, key=lambda row: row["rank"])
 
 

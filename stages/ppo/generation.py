@@ -25,6 +25,7 @@ import torch
 
 from stages.logprobs import token_logprobs
 from stages.models import decoder, static_decoder_class
+from stages.models.plain import partitioned
 from stages.ppo import static_sampling
 from stages.ppo.sampling import Rollout, left_pad, next_tokens
 
@@ -36,7 +37,7 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     static = static_decoder_class(actor, device)
     was_training = actor.training
     actor.eval()
-    with torch.inference_mode():  # no autograd bookkeeping at all: a decode step is thousands of small operations
+    with _without_autograd(actor):
         if static is not None:  # `model.cuda_graphs`: the step replayed as a CUDA graph
             rollout = static_sampling.sample(static, actor, prompts, graph=True, **settings)
         else:
@@ -46,6 +47,16 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     # the sampled tokens): ordinary copies.
     return replace(rollout, **{name: value.clone() for name, value in vars(rollout).items()
                                if isinstance(value, torch.Tensor)})
+
+
+def _without_autograd(actor):
+    """Inference mode: no autograd bookkeeping at all (a decode step is thousands of small
+    operations). Under ZeRO-3 no_grad instead: the weights DeepSpeed gathers while sampling (and
+    keeps gathered, for its persistent parameters) would be inference tensors, which the training
+    step's forward cannot save for its backward."""
+    if any(partitioned(p) for p in actor.parameters()):
+        return torch.no_grad()
+    return torch.inference_mode()
 
 
 def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
