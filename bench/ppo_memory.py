@@ -183,13 +183,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int) -> list[dict]:
+def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int, fixed_mmap_threshold: bool) -> list[dict]:
     """Both ranks of one mode under torchrun; each rank's result."""
     spec = Path(tempfile.mkdtemp()) / "inputs.json"
     spec.write_text(json.dumps(inputs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            __file__, "--rank-child", mode, "--inputs", str(spec), *[a for o in overrides for a in ("--set", o)]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           **({"MALLOC_MMAP_THRESHOLD_": "131072"} if fixed_mmap_threshold else {})}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     rows = [json.loads(line.removeprefix("RESULT ")) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or len(rows) != 2:
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--small", action="store_true", help="a 2-layer model: checks the bench, not the plan")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
+    parser.add_argument("--fixed-mmap-threshold", action="store_true",
+                        help="glibc's mmap threshold fixed at 128 KiB: freed blocks go back to the system, so the "
+                             "peak is the live memory's (bench/plan_vs_measured.py)")
     parser.add_argument("--json", default=None, help="also write every rank's result to this file")
     parser.add_argument("--rank-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
@@ -231,7 +235,7 @@ def main() -> None:
     inputs = prepare_inputs(config(base), Path(tempfile.mkdtemp()))
     results = {}
     for mode in args.modes.split(","):
-        rows = run_mode(mode, [*base, *MODES[mode]], inputs, args.timeout)
+        rows = run_mode(mode, [*base, *MODES[mode]], inputs, args.timeout, args.fixed_mmap_threshold)
         for row in rows:
             print(json.dumps(row), flush=True)
         results[mode] = rows
