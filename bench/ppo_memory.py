@@ -231,11 +231,11 @@ def main() -> None:
         print("RESULT " + json.dumps(row), flush=True)
         return
     shape = SHAPE + (SMALL_SHAPE if args.small else [])
-    base = [*COMMON, *shape, *args.overrides]
-    inputs = prepare_inputs(config(base), Path(tempfile.mkdtemp()))
+    base = [*COMMON, *shape]
+    inputs = prepare_inputs(config([*base, *args.overrides]), Path(tempfile.mkdtemp()))
     results = {}
     for mode in args.modes.split(","):
-        rows = run_mode(mode, [*base, *MODES[mode]], inputs, args.timeout, args.fixed_mmap_threshold)
+        rows = run_mode(mode, [*base, *MODES[mode], *args.overrides], inputs, args.timeout, args.fixed_mmap_threshold)
         for row in rows:
             print(json.dumps(row), flush=True)
         results[mode] = rows
