@@ -12,6 +12,11 @@
 # wheels (bench/gpu_wheels.txt) into /tmp/site. Steps: tests, roofline_demo, roofline_1b,
 # profile_reward, peer_trl, peer_trl_rm, pipeline (the `gpu` preset shortened, its PPO under ZeRO-3:
 # the ~1B PPO iteration on partitioned weights, which the eager decoder samples from).
+# Two more steps run only when named (each needs minutes beyond the 9): ppo_8b_lora (one PPO
+# iteration of a random Llama-3-8B with a LoRA actor, the frozen models in bf16) and ppo_full_fit
+# (the largest full fine-tune the plan fits on one card with checkpointing, ZeRO-3 and offload),
+# each printing its peak GPU memory against the plan (bench/gpu_ppo_fit.py):
+#   TOTAL_S=540 bash bench/gpu_check.sh $OUT ppo_8b_lora ppo_full_fit
 set -u
 cd "$(dirname "$0")/.."
 TOTAL_S=${TOTAL_S:-540}
@@ -120,6 +125,10 @@ step pipeline 160 '^\|' \
     $PYTHON bench/gpu_pipeline.py --preset gpu --set sft.max_steps=8 --set reward.max_steps=8 \
     --set critic.max_steps=4 --set ppo.iterations=2 --set ppo.launch.deepspeed=zero3 \
     --set eval.ceval.max_questions_per_subject=1
+step ppo_8b_lora 300 '^ppo_fit' \
+    $PYTHON bench/gpu_ppo_fit.py --case 8b-lora
+step ppo_full_fit 300 '^ppo_fit' \
+    $PYTHON bench/gpu_ppo_fit.py --case full-fit --memory 80 --host-memory 100
 
 if [[ $DRY == 0 ]]; then
     echo >>"$RESULTS"

@@ -42,7 +42,7 @@ from pathlib import Path
 from stages import loading, registry
 from stages.config import REPO_ROOT, ConfigError, ModelConfig, PipelineConfig
 from stages.config_loading import deepspeed_config_path
-from stages.launch import hostfile_slots, stage_device
+from stages.launch import hostfile_slots, in_process, stage_device
 
 GiB = 1024**3
 ARCHITECTURES_DIR = REPO_ROOT / "infra" / "architectures"
@@ -206,9 +206,10 @@ class Sharding:
 
 def stage_sharding(cfg: PipelineConfig, stage: str) -> Sharding:
     launch = getattr(cfg, stage).launch
-    if launch.deepspeed is None:
+    if in_process(cfg, stage):
         return Sharding(world_size=launch.world_size)
-    ds = json.loads(deepspeed_config_path(launch.deepspeed).read_text())
+    # Ranks without a DeepSpeed config of their own run zero2 (stages.launch.resolve_deepspeed_config).
+    ds = json.loads(deepspeed_config_path(launch.deepspeed or "zero2").read_text())
     zero = ds.get("zero_optimization", {})
 
     def offloaded(key: str) -> bool:

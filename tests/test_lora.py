@@ -120,7 +120,7 @@ def test_the_adapter_is_saved_beside_the_merged_model_in_peft_format(tiny, tmp_p
 
 
 @pytest.mark.slow
-def test_a_lora_pipeline_registers_plain_transformers_models(prefect_server, tmp_path):
+def test_a_lora_pipeline_registers_plain_transformers_models(prefect_server, tmp_path, monkeypatch):
     """The tiny pipeline with LoRA on every trained model: the registered policy loads through
     mlflow.transformers as a plain transformers model (adapters merged), its adapter inside it."""
     import mlflow.transformers
@@ -131,6 +131,9 @@ def test_a_lora_pipeline_registers_plain_transformers_models(prefect_server, tmp
     rlhf(preset="tiny", overrides={"model.lora.rank": 4, "sft.lr": 1e-3, "reward.lr": 1e-3, "sft.max_steps": 8,
                                    "reward.max_steps": 8, "critic.max_steps": 4, "ppo.iterations": 2})
     client = tracking.client()
+    # MLflow's own loader resolves `models:/` through its default tracking URI: this session's store.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.tracking_uri())
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking.tracking_uri())
     version = max(int(v.version) for v in client.search_model_versions("name='rlhf-tiny-policy'"))
     pipeline = mlflow.transformers.load_model(f"models:/rlhf-tiny-policy/{version}")
     assert type(pipeline.model).__name__ == "LlamaForCausalLM"

@@ -121,6 +121,14 @@ def test_the_zero_stage_comes_from_the_deepspeed_config():
     assert plan.stage_sharding(cfg, "reward") == Sharding()
 
 
+def test_ranks_without_a_deepspeed_config_are_planned_on_the_zero2_they_run():
+    """Two ranks with `launch.deepspeed` unset run DeepSpeed's zero2 config
+    (stages.launch.resolve_deepspeed_config), not the plain engine; one rank runs in process."""
+    cfg = load_config("tiny", ["ppo.launch.world_size=2"])
+    assert plan.stage_sharding(cfg, "ppo") == Sharding(world_size=2, zero=2)
+    assert plan.stage_sharding(cfg, "sft") == Sharding()
+
+
 def test_our_parameter_count_and_model_states_match_deepspeeds_estimators_for_a_7b_llama():
     """DeepSpeed 0.19's estimators (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py), without
     offload, for Llama-2-7B on 8 GPUs. ZeRO-2: 2Ψ + 18Ψ/N, ours exactly. ZeRO-3: DeepSpeed counts

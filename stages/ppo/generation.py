@@ -37,7 +37,7 @@ def generate(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_n
     static = static_decoder_class(actor, device)
     was_training = actor.training
     actor.eval()
-    with torch.inference_mode():  # no autograd bookkeeping at all: a decode step is thousands of small operations
+    with _without_autograd(actor):
         if static is not None:  # `model.cuda_graphs`: the step replayed as a CUDA graph
             rollout = static_sampling.sample(static, actor, prompts, graph=True, **settings)
         else:
@@ -64,6 +64,16 @@ def every_row_ended(ended: torch.Tensor, synced: bool) -> bool:
     flag = ended.all().to(torch.int32).reshape(1)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _without_autograd(actor):
+    """Inference mode: no autograd bookkeeping at all (a decode step is thousands of small
+    operations). Under ZeRO-3 no_grad instead: the weights DeepSpeed gathers while sampling (and
+    keeps gathered, for its persistent parameters) would be inference tensors, which the training
+    step's forward cannot save for its backward."""
+    if any(partitioned(p) for p in actor.parameters()):
+        return torch.no_grad()
+    return torch.inference_mode()
 
 
 def _sample(actor, prompts: list[list[int]], *, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float,
