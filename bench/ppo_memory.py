@@ -47,9 +47,7 @@ TOLERANCE = 0.25
 
 # Each mode: the config overrides it adds to the common ones. ZeRO-2 is what a 2-rank stage runs
 # on when ppo.launch.deepspeed is unset (stages.launch.resolve_deepspeed_config).
-# ZERO3 clips each engine's gradients alone: DeepSpeed 0.19.8's safe_update_full_grad_vectorized,
-# which the joint actor+critic clip calls, fails on ZeRO-3 partitions (tests/test_ppo_distributed.py).
-ZERO3 = ["ppo.launch.deepspeed=zero3", "ppo.global_grad_clip=false"]
+ZERO3 = ["ppo.launch.deepspeed=zero3"]
 MODES = {
     "plain": [],
     "zero3": ZERO3,

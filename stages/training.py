@@ -514,15 +514,23 @@ def clip_grad_norm(engines: list, max_norm: float) -> float:
         return norm
     # Under ZeRO a rank holds a shard of each gradient; DeepSpeed's accessors for gradients between
     # backward and step assemble a parameter's whole gradient with an all-reduce. Cost per engine
-    # and step: one all-reduce of all its gradients for the norm, one more when clipping.
-    from deepspeed.utils import safe_get_full_grad, safe_update_full_grad_vectorized  # deferred: as in make_engine
+    # and step: one all-reduce of all its gradients for the norm, one more when clipping under ZeRO-1/2.
+    from deepspeed.utils import (safe_get_full_grad, safe_get_local_grad, safe_set_local_grad,  # deferred: as in make_engine
+                                 safe_update_full_grad_vectorized)
 
     groups = [[p for p in engine.module.parameters() if p.requires_grad] for engine in engines]
     norm = total_norm([safe_get_full_grad(p) for params in groups for p in params])
     coef = clip_coefficient(max_norm, float(norm))
     if not coef >= 1.0:  # a NaN norm clips too, as in torch; DeepSpeed's ZeRO and bf16 optimisers then skip the step
-        for params in groups:  # one call per engine: ZeRO-3 routes a call through its first parameter's optimizer
-            safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
+        for params in groups:
+            if params and hasattr(params[0], "ds_id"):
+                # ZeRO-3: scaling is elementwise, so each rank scales its own partition, with no
+                # gather (DeepSpeed's whole-gradient update narrows past the end of a weight
+                # smaller than the ranks, such as a scalar head's bias).
+                for p in params:
+                    safe_set_local_grad(p, safe_get_local_grad(p) * coef)
+            else:  # one call per engine: DeepSpeed routes it through the first parameter's optimizer
+                safe_update_full_grad_vectorized(params, lambda grad, _: grad * coef)
     return float(norm)
 
 

@@ -105,13 +105,11 @@ def test_two_deepspeed_ranks_match_one_process(inputs, mode):
 def test_zero3_ranks_match_one_process(inputs, tmp_path, monkeypatch):
     """ZeRO-3 keeps only a shard of each weight outside its module's forward: generation then takes
     transformers' forward and the norms their modules (our decode step would read shards). The joint
-    actor+critic clip is off here: DeepSpeed 0.19.8's safe_update_full_grad_vectorized fails under
-    ZeRO-3 on these small shards. The ranks and their launcher leave nothing in the temp folder."""
-    clip_off = "ppo.global_grad_clip=false"
-    single = ppo_metrics(inputs, clip_off, f"ppo.rollout_batch_size={2 * RANK_PROMPTS}",
-                         f"ppo.minibatch_size={2 * RANK_PROMPTS}")
+    actor+critic clip is on, over shards smaller than the ranks (the critic head's bias). The ranks
+    and their launcher leave nothing in the temp folder."""
+    single = ppo_metrics(inputs, f"ppo.rollout_batch_size={2 * RANK_PROMPTS}", f"ppo.minibatch_size={2 * RANK_PROMPTS}")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the launcher's and the ranks'
-    ranks = ppo_metrics(inputs, clip_off, "ppo.launch.world_size=2", "ppo.launch.deepspeed=zero3",
+    ranks = ppo_metrics(inputs, "ppo.launch.world_size=2", "ppo.launch.deepspeed=zero3",
                         f"ppo.rollout_batch_size={RANK_PROMPTS}", f"ppo.minibatch_size={RANK_PROMPTS}")
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []
     for name in COMPARED:

@@ -29,7 +29,7 @@ from stages.model_loading import frozen_lm, frozen_reward_model, trained_lm
 from stages.ppo.experience import response_logits
 from stages.ppo.generation import generate
 from stages.ppo.sampling import left_pad
-from stages.training import adamw, make_engine, trained_model
+from stages.training import adamw, clip_grad_norm, make_engine, trained_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -113,8 +113,28 @@ def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
     zero3 = Dist(rank=rank, world_size=RANKS, deepspeed_config=config)
     saved = save_after_a_step(model_dir, model_cfg, zero3, ids, mask, Path(out, "saved"))
-    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts, "saved": saved},
-               Path(out, f"rank{rank}.pt"))
+    clipped = clipped_under_zero3(zero3)
+    torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts, "saved": saved,
+                "clipped": clipped}, Path(out, f"rank{rank}.pt"))
+
+
+def clipped_under_zero3(dist) -> dict:
+    """PPO's joint clip (`clip_grad_norm`) on a ZeRO-3 engine whose weights include one smaller
+    than the ranks (a scalar head's bias: one element, a padded partition on each rank): every
+    weight's whole gradient before and after the clip, and the norm it returned."""
+    from deepspeed.utils import safe_get_full_grad  # deferred: the ranks' module only
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    engine = make_engine(model, adamw(model, dist, lr=1e-2), None, micro_batch_size=4, grad_accum_steps=1,
+                         max_grad_norm=float("inf"), precision="fp32", dist=dist)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.rank))
+    engine.backward(engine(x).pow(2).sum())
+    params = list(engine.module.parameters())
+    before = [safe_get_full_grad(p).clone() for p in params]
+    norm = clip_grad_norm([engine], max_norm=1e-3)
+    after = [safe_get_full_grad(p).clone() for p in params]
+    return {"before": before, "after": after, "norm": norm}
 
 
 def save_after_a_step(model_dir: str, model_cfg, dist, ids, mask, out: Path) -> dict | None:
@@ -197,6 +217,17 @@ def test_zero3_ranks_sample_in_step_until_every_rank_has_ended(ranks):
         assert response.tolist() == plain["sequences"][0, plain["width"]:][plain["response_mask"][0].bool()].tolist()
         lengths.append((int(mask.sum()), mask.shape[1]))
     assert lengths == [(1, GREEDY["max_new_tokens"]), (GREEDY["max_new_tokens"],) * 2]
+
+
+def test_the_joint_clip_scales_every_zero3_gradient_even_one_smaller_than_the_ranks(ranks):
+    """g ← g · max_norm/‖g‖ on every weight, the one-element bias too, on both ranks."""
+    for rank in ranks:
+        clipped = rank["clipped"]
+        norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in clipped["before"]])))
+        assert clipped["norm"] == pytest.approx(norm, rel=1e-5) and norm > 1e-3
+        assert [g.numel() for g in clipped["before"]][-1] == 1
+        for before, after in zip(clipped["before"], clipped["after"]):
+            torch.testing.assert_close(after, before * (1e-3 / (norm + 1e-6)), rtol=1e-5, atol=1e-9)
 
 
 def test_a_model_trained_under_zero3_is_saved_whole(ranks, tmp_path_factory):
