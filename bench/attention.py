@@ -1,5 +1,5 @@
 """The padding-free forward's attention with gradients on a CPU: SDPA's fused kernel against the
-explicit products (the path `stages.models.llama.attention` takes in bf16), forward + backward,
+explicit products (the path `stages.compute.models.llama.attention` takes in bf16), forward + backward,
 interleaved in one run.
 
 Shapes of the demo model's PPO training step at peer_trl's settings: batch 8, 176 positions,
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from stages.models.llama import explicit_attention
+from stages.compute.models.llama import explicit_attention
 
 
 def main() -> None:

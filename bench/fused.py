@@ -1,4 +1,4 @@
-"""The padding-free forward + backward in bf16 on a CPU with its fused kernels (`stages.models.fused`:
+"""The padding-free forward + backward in bf16 on a CPU with its fused kernels (`stages.compute.models.fused`:
 compiled RMSNorm and SwiGLU) against the same forward on eager operations, interleaved in one run.
 
 A Llama of SmolLM2-135M's shape (30 layers, hidden 576, 9 query heads sharing 3 key/value heads,
@@ -24,8 +24,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the stages of this checkout
-from stages import precision  # noqa: E402
-from stages.models import fused, last_hidden_state  # noqa: E402
+from stages.compute.models import fused, last_hidden_state  # noqa: E402
+from stages.leaves import precision  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The `gpu` preset's stages in pipeline order, each as `rlhf run` executes it, and a table of each
 training stage's time and peak GPU memory against `rlhf plan`'s prediction.
 
-`stages.launch.execute` runs each stage as the flow does (SFT, reward, critic and PPO as DeepSpeed
+`stages.orchestration.launch.execute` runs each stage as the flow does (SFT, reward, critic and PPO as DeepSpeed
 ranks on the GPU; data and eval in-process) and records it in MLflow; the data-contract gates
 between stages, which the Prefect flow adds, are not run (they need Great Expectations and
 Prefect, which a GPU machine without network may lack): `rlhf run --preset gpu` runs them too.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages import lineage, plan, registry, run_writers  # noqa: E402
-from stages.config_loading import load_config  # noqa: E402
-from stages.launch import execute  # noqa: E402
+from stages.orchestration import lineage, plan, registry, run_writers  # noqa: E402
+from stages.orchestration.config_loading import load_config  # noqa: E402
+from stages.orchestration.launch import execute  # noqa: E402
 
 
 def main() -> None:

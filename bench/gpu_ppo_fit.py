@@ -10,7 +10,7 @@ Cases (each a list of config overrides on the `gpu` preset, one PPO-max iteratio
   (`largest_full_finetune`: the shipped architectures and Llama-3-8B's width at fewer layers, the
   offloaded states within --host-memory).
 
-The models are the stage's own (`stages.model_loading.load_models`: the trained ones in fp32, which
+The models are the stage's own (`stages.compute.model_loading.load_models`: the trained ones in fp32, which
 DeepSpeed's bf16 mode casts, the frozen ones in bf16), with random weights made on the device in
 place of a folder's (`loading.load_model` and `load_reward_model` replaced in this process: no
 16 GB files to write and read). Measured on a GPU: torch.cuda.max_memory_allocated, reset after
@@ -57,7 +57,7 @@ TINY_ITERATION = ["ppo.rollout_batch_size=4", "ppo.minibatch_size=4", "ppo.max_p
 
 
 def architecture_values(name: str) -> dict:
-    from stages import plan
+    from stages.orchestration import plan
 
     return json.loads(plan.architecture_file(name).read_text())
 
@@ -65,7 +65,7 @@ def architecture_values(name: str) -> dict:
 def candidates() -> list[tuple[str, dict]]:
     """Llama shapes from the largest down: the shipped architectures, then Llama-3-8B's width with
     fewer layers."""
-    from stages import plan
+    from stages.orchestration import plan
 
     shapes = [(name, architecture_values(name)) for name in plan.FIT_ARCHITECTURES]
     eight = architecture_values("llama-3-8b")
@@ -77,7 +77,7 @@ def candidates() -> list[tuple[str, dict]]:
 def largest_full_finetune(cfg, memory_gib: float, host_gib: float) -> tuple[str, dict]:
     """The largest of `candidates` whose PPO stage the plan fits in `memory_gib` per device with
     its offloaded states within `host_gib`."""
-    from stages import plan
+    from stages.orchestration import plan
 
     for name, values in candidates():
         sp = plan.plan_stage(cfg, "ppo", plan.Architecture.from_config(values, name), "cuda")
@@ -113,9 +113,9 @@ def random_weights_in_place_of_folders(values: dict, device: str) -> SimpleNames
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages import loading, model_loading
-    from stages.models import set_cuda_graphs, set_fast_path
-    from stages.reward.model import RewardModel
+    from stages.compute import loading, model_loading
+    from stages.compute.models import set_cuda_graphs, set_fast_path
+    from stages.compute.reward.model import RewardModel
 
     config = AutoConfig.for_model(**{**values, "model_type": values.get("model_type", "llama")})
 
@@ -167,10 +167,12 @@ class Peak:
 def run_case(case: str, tiny: bool, overrides: list[str], memory_gib: float, host_gib: float) -> dict:
     import torch
 
-    from stages import model_loading, plan, precision
-    from stages.config_loading import load_config
-    from stages.dist import Dist
-    from stages.ppo.trainer import PPOTrainer
+    from stages.compute import model_loading
+    from stages.orchestration import plan
+    from stages.leaves import precision
+    from stages.orchestration.config_loading import load_config
+    from stages.leaves.dist import Dist
+    from stages.compute.ppo.trainer import PPOTrainer
 
     device = "cpu" if tiny else "cuda"
     name, extra = CASES[case]
@@ -189,7 +191,7 @@ def run_case(case: str, tiny: bool, overrides: list[str], memory_gib: float, hos
           f"{predicted.precision}; {predicted.batch}", flush=True)
     print(plan.Plan(arch, [predicted], {device: int(memory_gib * GiB)}).table(), flush=True)
     start_single_rank(device)
-    from stages.launch import resolve_deepspeed_config
+    from stages.orchestration.launch import resolve_deepspeed_config
 
     dist = Dist(rank=0, world_size=1, deepspeed_config=resolve_deepspeed_config("ppo", cfg.ppo.launch), device=device)
     tokenizer = random_weights_in_place_of_folders(values, device)

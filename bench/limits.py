@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import Shapes, bandwidth, matmul_peak, phase_flops  # noqa: E402
 from peer_trl import arguments, our_trainer, prepare  # noqa: E402
 
-from stages.ppo.generation import generate  # noqa: E402
+from stages.compute.ppo.generation import generate  # noqa: E402
 
 
 def main() -> None:

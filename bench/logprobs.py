@@ -1,5 +1,5 @@
 """log π(a | s) and H(π(· | s)) from a [tokens, vocabulary] logits matrix: the whole-matrix fp32
-formulas against `stages.logprobs` (chunks of rows, its own backward), interleaved in one run.
+formulas against `stages.leaves.logprobs` (chunks of rows, its own backward), interleaved in one run.
 
 The PPO training step's shape at peer_trl's settings: 8 responses of 48 tokens (384 rows), SmolLM2's
 49,152-token vocabulary, bf16 logits, T = 0.7. Per turn: forward + backward of log π (the policy
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from stages.logprobs import logprobs_and_entropy
+from stages.leaves.logprobs import logprobs_and_entropy
 
 
 def whole_matrix(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):

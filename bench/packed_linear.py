@@ -1,6 +1,6 @@
 """Do the fast decoder's packed weights win on this CPU?
 
-The Llama decode step (stages/models/llama.py `PackedLinear`) multiplies a batch of one token per
+The Llama decode step (stages/compute/models/llama.py `PackedLinear`) multiplies a batch of one token per
 row by each weight; it packs the weights once per rollout for the batch size: bf16 weights in
 oneDNN's blocked layout, fp32 weights for MKL's packed GEMM on an Intel CPU (`mkl_packing_pays`:
 Intel only, since on an AMD EPYC packing lost). The packed copies cost memory (MKL pads each
@@ -29,9 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages import plan, precision  # noqa: E402
-from stages.config_loading import load_config  # noqa: E402
-from stages.models.llama import mkl_pack, onednn_pack  # noqa: E402
+from stages.compute.models.llama import mkl_pack, onednn_pack  # noqa: E402
+from stages.leaves import precision  # noqa: E402
+from stages.orchestration import plan  # noqa: E402
+from stages.orchestration.config_loading import load_config  # noqa: E402
 
 
 def main() -> None:

@@ -143,12 +143,12 @@ def our_trainer(spec: dict):
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from stages.config import PipelineConfig
-    from stages.dist import Dist
-    from stages.model_loading import load_models
-    from stages.ppo.setup import initial_moments
-    from stages.ppo.trainer import PPOTrainer
-    from stages.precision import resolve
+    from stages.leaves.config import PipelineConfig
+    from stages.leaves.dist import Dist
+    from stages.compute.model_loading import load_models
+    from stages.compute.ppo.setup import initial_moments
+    from stages.compute.ppo.trainer import PPOTrainer
+    from stages.leaves.precision import resolve
 
     cfg = PipelineConfig.model_validate(spec["config"])
     torch.manual_seed(cfg.ppo.seed)
@@ -181,7 +181,7 @@ def run_ours(spec: dict) -> None:
 
 
 def ours_config(args) -> dict:
-    from stages.config_loading import load_config
+    from stages.orchestration.config_loading import load_config
 
     overrides = [
         f"ppo.rollout_batch_size={args.batch_size}", f"ppo.minibatch_size={args.batch_size}", "ppo.ppo_epochs=1",
@@ -202,11 +202,11 @@ def prepare(args, tmp: Path) -> tuple[dict, str, Path]:
     seeded scalar head saved as reward model (and critic initialisation)."""
     import torch
 
-    from stages import loading
-    from stages.data import load_pairs, make_splits, split_texts
-    from stages.ppo.setup import encode_prompts
-    from stages.ppo.trainer import shuffled_order
-    from stages.reward.model import reward_model_from_lm, save_reward_model
+    from stages.compute import loading
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
+    from stages.compute.ppo.setup import encode_prompts
+    from stages.compute.ppo.trainer import shuffled_order
+    from stages.compute.reward.model import reward_model_from_lm, save_reward_model
 
     cfg = ours_config(args)
     _, clean, _ = load_pairs(cfg)
@@ -263,7 +263,7 @@ def main() -> None:
 
     from flops import matmul_peak
 
-    from stages.precision import describe
+    from stages.leaves.precision import describe
 
     torch.set_num_threads(args.threads)
     print(f"before: {load_average()}", flush=True)

@@ -151,13 +151,14 @@ def run_ours(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from stages import loading, precision
-    from stages.config import PipelineConfig
-    from stages.nonfinite import NonFiniteGuard
-    from stages.dist import Dist
-    from stages.reward.model import load_reward_model
-    from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, step_totals
-    from stages.training import adamw, cosine_with_warmup, make_engine
+    from stages.compute import loading
+    from stages.leaves import precision
+    from stages.leaves.config import PipelineConfig
+    from stages.compute.nonfinite import NonFiniteGuard
+    from stages.leaves.dist import Dist
+    from stages.compute.reward.model import load_reward_model
+    from stages.pipeline.reward import encode_pairs, forward_pairs, make_sampler, pair_batch, step_totals
+    from stages.compute.training import adamw, cosine_with_warmup, make_engine
 
     cfg = PipelineConfig.model_validate(spec["config"])
     rm, dist = cfg.reward, Dist(device=spec["device"])
@@ -202,12 +203,12 @@ def prepare(args, tmp: Path) -> dict:
     (base model + seeded head, fp32 safetensors), TRL's batch size."""
     import torch
 
-    from stages import loading
-    from stages.config_loading import load_config
-    from stages.data import load_pairs, make_splits, split_texts
-    from stages.dist import Dist
-    from stages.reward.model import reward_model_from_lm, save_reward_model
-    from stages.reward.stage import encode_pairs, make_sampler
+    from stages.compute import loading
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
+    from stages.leaves.dist import Dist
+    from stages.compute.reward.model import reward_model_from_lm, save_reward_model
+    from stages.pipeline.reward import encode_pairs, make_sampler
 
     cfg = load_config(args.preset, ["reward.dynamic_batching=true", f"model.precision={args.precision}",
                                     *args.overrides])
@@ -261,7 +262,7 @@ def main() -> None:
         (run_trl if kind == "trl" else run_ours)(json.loads(Path(spec).read_text()))
         return
 
-    from stages.precision import describe
+    from stages.leaves.precision import describe
 
     print(f"before: {load_average()}", flush=True)
     python = trl_python(TRL_VENV, TRL_VERSION, f"import trl; from trl import RewardTrainer; "

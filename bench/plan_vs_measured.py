@@ -45,8 +45,8 @@ def peak_rss_bytes() -> int:
 
 
 def _model_folder(cfg) -> str:
-    from stages import loading
-    from stages.data import load_pairs
+    from stages.compute import loading
+    from stages.pipeline.data import load_pairs
 
     def corpus() -> list[str]:  # the random model's BPE tokenizer (tiny), as tests/conftest.py trains it
         _, pairs, _ = load_pairs(cfg)
@@ -65,10 +65,12 @@ def _tokens(generator, vocab: int, length: int, avoid: set[int]) -> list[int]:
 def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     import torch
 
-    from stages import loading, plan, precision
-    from stages.config_loading import load_config
-    from stages.nonfinite import NonFiniteGuard
-    from stages.dist import Dist
+    from stages.compute import loading
+    from stages.orchestration import plan
+    from stages.leaves import precision
+    from stages.orchestration.config_loading import load_config
+    from stages.compute.nonfinite import NonFiniteGuard
+    from stages.leaves.dist import Dist
 
     torch.manual_seed(0)
     cfg = load_config(preset, overrides)
@@ -83,20 +85,20 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
     predicted = plan.plan(cfg, stages=[stage], device="cpu").stages[0]
     # The code every stage runs is imported before the baseline: modules are not what the plan
     # predicts (tensors are), and transformers/deepspeed pull in megabytes of them lazily.
-    import stages.ppo.experience  # noqa: F401
-    import stages.ppo.trainer  # noqa: F401
-    import stages.reward.stage  # noqa: F401
-    import stages.sft  # noqa: F401
+    import stages.compute.ppo.experience  # noqa: F401
+    import stages.compute.ppo.trainer  # noqa: F401
+    import stages.pipeline.reward  # noqa: F401
+    import stages.pipeline.sft  # noqa: F401
     import gc
 
     gc.collect()
     baseline = rss_bytes()
     started = time.perf_counter()
-    from stages.model_loading import trained_lm
-    from stages.training import adamw, cosine_with_warmup, make_engine
+    from stages.compute.model_loading import trained_lm
+    from stages.compute.training import adamw, cosine_with_warmup, make_engine
 
     if stage == "sft":
-        from stages.sft import accumulate_step
+        from stages.pipeline.sft import accumulate_step
 
         s = cfg.sft
         model = trained_lm(folder, cfg.model, dist.device)
@@ -118,8 +120,8 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
                 micro.append(chunk)
             accumulate_step(engine, micro, tokenizer.pad_token_id, guard, dist, step + 1)
     elif stage == "reward":
-        from stages.reward.model import reward_model_from_lm
-        from stages.reward.stage import EncodedPair, forward_pairs, pair_batch
+        from stages.compute.reward.model import reward_model_from_lm
+        from stages.pipeline.reward import EncodedPair, forward_pairs, pair_batch
 
         r = cfg.reward
         model = reward_model_from_lm(folder, cfg.model)
@@ -139,10 +141,10 @@ def child(stage: str, preset: str, overrides: list[str], steps: int) -> dict:
             engine.backward(loss.total)
             engine.step()
     elif stage in ("ppo", "critic"):
-        from stages.ppo.advantages import needs_critic
-        from stages.ppo.experience import reward_model_scores
-        from stages.ppo.trainer import PPOTrainer
-        from stages.reward.model import RewardModel
+        from stages.compute.ppo.advantages import needs_critic
+        from stages.compute.ppo.experience import reward_model_scores
+        from stages.compute.ppo.trainer import PPOTrainer
+        from stages.compute.reward.model import RewardModel
 
         p = cfg.ppo
         train_actor = stage == "ppo"

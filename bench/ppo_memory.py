@@ -3,7 +3,7 @@ against `rlhf plan`'s prediction for the same configuration.
 
 A mode is a list of config overrides (`MODES`); every mode runs the same PPO stage setup on the
 same random Llama (the tiny preset's `random:llama` at the shape of `SHAPE`, ~140M parameters,
-bf16 unless `--set model.precision=...`): the stage's own loader (`stages.model_loading.load_models`:
+bf16 unless `--set model.precision=...`): the stage's own loader (`stages.compute.model_loading.load_models`:
 actor, reference, reward model, critic), `PPOTrainer` (its DeepSpeed engines), then one
 `PPOTrainer.step` (rollout, experience, PPO epochs) on random prompt ids at the planned lengths.
 
@@ -46,7 +46,7 @@ GiB = 1024**3
 TOLERANCE = 0.25
 
 # Each mode: the config overrides it adds to the common ones. ZeRO-2 is what a 2-rank stage runs
-# on when ppo.launch.deepspeed is unset (stages.launch.resolve_deepspeed_config).
+# on when ppo.launch.deepspeed is unset (stages.orchestration.launch.resolve_deepspeed_config).
 ZERO3 = ["ppo.launch.deepspeed=zero3"]
 MODES = {
     "plain": [],
@@ -82,7 +82,7 @@ def reset_high_water_mark() -> None:
 
 
 def config(overrides: list[str]):
-    from stages.config_loading import load_config
+    from stages.orchestration.config_loading import load_config
 
     return load_config("tiny", overrides)
 
@@ -92,8 +92,8 @@ def prepare_inputs(cfg, folder: Path) -> dict:
     with a seeded random head: what the PPO stage's loader reads."""
     import torch
 
-    from stages import loading
-    from stages.reward.model import reward_model_from_lm, save_reward_model
+    from stages.compute import loading
+    from stages.compute.reward.model import reward_model_from_lm, save_reward_model
 
     sys.path.insert(0, str(REPO / "bench"))
     from plan_vs_measured import _model_folder  # the bench beside this one: the same model folder
@@ -108,7 +108,7 @@ def prepare_inputs(cfg, folder: Path) -> dict:
 
 
 def start_rank():
-    """This process as a DeepSpeed CPU rank over gloo, as `stages.launch._rank_main` starts one."""
+    """This process as a DeepSpeed CPU rank over gloo, as `stages.orchestration.launch._rank_main` starts one."""
     import importlib
 
     import torch
@@ -125,9 +125,10 @@ def start_rank():
 def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
     import torch
 
-    from stages import plan, precision
-    from stages.dist import Dist
-    from stages.launch import resolve_deepspeed_config
+    from stages.orchestration import plan
+    from stages.leaves import precision
+    from stages.leaves.dist import Dist
+    from stages.orchestration.launch import resolve_deepspeed_config
 
     rank, world_size = start_rank()
     cfg = config(overrides)
@@ -135,8 +136,8 @@ def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
                 device="cpu", workdir=Path(tempfile.mkdtemp()))
     predicted = plan.plan(cfg, stages=["ppo"], device="cpu").stages[0]
     # What every rank imports before the models load is not what the plan predicts.
-    import stages.model_loading
-    import stages.ppo.trainer
+    import stages.compute.model_loading
+    import stages.compute.ppo.trainer
     if cfg.model.lora.rank:
         import peft  # noqa: F401
 
@@ -146,7 +147,7 @@ def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
     baseline = status_bytes("VmRSS")
     reset_high_water_mark()
     started = time.perf_counter()
-    tokenizer, actor, reference, reward_model, critic, score_fn = stages.model_loading.load_models(cfg, inputs, dist)
+    tokenizer, actor, reference, reward_model, critic, score_fn = stages.compute.model_loading.load_models(cfg, inputs, dist)
     vocab, special = len(tokenizer), {tokenizer.eos_token_id, tokenizer.pad_token_id}
     p = cfg.ppo
 
@@ -155,7 +156,7 @@ def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
 
     prompts = [ids(p.max_prompt_len) for _ in range(4 * p.rollout_batch_size)]
     ptx = [(row, list(row)) for row in (ids(cfg.sft.max_seq_len) for _ in range(16))]
-    trainer = stages.ppo.trainer.PPOTrainer(
+    trainer = stages.compute.ppo.trainer.PPOTrainer(
         p, actor=actor, critic=critic, reference=reference, score_fn=score_fn, prompts=prompts, ptx_examples=ptx,
         tokenizer=tokenizer, dist=dist, precision=precision.resolve(cfg.model.precision, "cpu"))
     dist.barrier()

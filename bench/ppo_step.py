@@ -39,13 +39,13 @@ def measure(mode: str, config: dict, inputs: dict, prompt_rows: list[dict], sft_
     if threads:
         torch.set_num_threads(threads)
 
-    from stages.config import PipelineConfig
-    from stages.rendering import encode_example
-    from stages.dist import Dist
-    from stages.model_loading import load_models
-    from stages.ppo.setup import encode_prompts, initial_moments
-    from stages.ppo.trainer import PPOTrainer
-    from stages.precision import resolve
+    from stages.leaves.config import PipelineConfig
+    from stages.leaves.rendering import encode_example
+    from stages.leaves.dist import Dist
+    from stages.compute.model_loading import load_models
+    from stages.compute.ppo.setup import encode_prompts, initial_moments
+    from stages.compute.ppo.trainer import PPOTrainer
+    from stages.leaves.precision import resolve
 
     cfg = PipelineConfig.model_validate(config)
     ppo = cfg.ppo.model_copy(update={"preset": mode})
@@ -92,10 +92,11 @@ def main() -> None:
 
     import torch
 
-    from stages import loading, precision
-    from stages.config_loading import load_config
-    from stages.data import load_pairs, make_splits, split_texts
-    from stages.reward.model import reward_model_from_lm, save_reward_model
+    from stages.compute import loading
+    from stages.leaves import precision
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
+    from stages.compute.reward.model import reward_model_from_lm, save_reward_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config(args.preset, [f"ppo.rollout_batch_size={args.batch_size}",

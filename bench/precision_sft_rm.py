@@ -34,9 +34,9 @@ MODES = ("fp32", "bf16")
 def load_inputs(preset: str, threads: int):
     import torch
 
-    from stages import loading
-    from stages.config_loading import load_config
-    from stages.data import load_pairs, make_splits, split_texts
+    from stages.compute import loading
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
 
     torch.set_num_threads(threads)
     cfg = load_config(preset, ["model.precision=fp32"])
@@ -78,12 +78,12 @@ def compare(what: str, losses: dict[str, float], tolerance: float, extra: str = 
 def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -> None:
     import torch
 
-    from stages import loading
-    from stages.rendering import encode_example
-    from stages.nonfinite import NonFiniteGuard
-    from stages.dist import Dist
-    from stages.sft import accumulate_step, heldout_perplexity
-    from stages.training import PlainEngine, adamw, cosine_with_warmup, trained_model
+    from stages.compute import loading
+    from stages.leaves.rendering import encode_example
+    from stages.compute.nonfinite import NonFiniteGuard
+    from stages.leaves.dist import Dist
+    from stages.pipeline.sft import accumulate_step, heldout_perplexity
+    from stages.compute.training import PlainEngine, adamw, cosine_with_warmup, trained_model
 
     sft, dist = cfg.sft, Dist()
 
@@ -122,10 +122,10 @@ def bench_sft(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -
 def bench_rm(cfg, splits, model_dir, tokenizer, steps: int, tolerance: float) -> None:
     import torch
 
-    from stages.dist import Dist
-    from stages.reward.model import reward_model_from_lm
-    from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
-    from stages.training import PlainEngine, adamw, cosine_with_warmup, trained_model
+    from stages.leaves.dist import Dist
+    from stages.compute.reward.model import reward_model_from_lm
+    from stages.pipeline.reward import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
+    from stages.compute.training import PlainEngine, adamw, cosine_with_warmup, trained_model
 
     rm, dist = cfg.reward, Dist()
     train_set = encode_pairs(tokenizer, splits["rm_train"], rm.max_seq_len, rm.max_response_len)
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative held-out loss difference (default 2 %%)")
     args = parser.parse_args()
 
-    from stages.precision import describe
+    from stages.leaves.precision import describe
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     cfg, splits, model_dir, tokenizer = load_inputs(args.preset, args.threads)

@@ -1,6 +1,6 @@
 """Where a reward-model training step's time goes: torch.profiler over the first steps and a later one.
 
-The reward stage's step (`stages.reward.stage.forward_pairs`, pairwise loss, the engine's backward
+The reward stage's step (`stages.pipeline.reward.forward_pairs`, pairwise loss, the engine's backward
 and AdamW step) on a random Llama of the given shape, on batches of random pairs whose lengths
 vary as dynamic token batches' do (each batch its own padded width). Prints each step's wall time,
 its CUDA kernel launches and, for the first step and the last, the operators that took the most
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import SHAPES  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from stages.dist import Dist  # noqa: E402
-from stages.reward.model import RewardModel  # noqa: E402
-from stages.reward.stage import forward_pairs  # noqa: E402
-from stages.rendering import collate  # noqa: E402
-from stages.training import adamw, make_engine  # noqa: E402
+from stages.compute.reward.model import RewardModel  # noqa: E402
+from stages.compute.training import adamw, make_engine  # noqa: E402
+from stages.leaves.dist import Dist  # noqa: E402
+from stages.leaves.rendering import collate  # noqa: E402
+from stages.pipeline.reward import forward_pairs  # noqa: E402
 
 
 def random_batches(steps: int, pairs: int, vocab: int, device: str, seed: int = 0) -> list[dict]:

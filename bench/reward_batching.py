@@ -39,12 +39,13 @@ def worker(mode: str, config: dict, model_dir: str, rows: list[dict], turns: int
     """One mode in its own process: builds everything, then runs chunk k of its epoch per message."""
     import torch
 
-    from stages import loading, precision
-    from stages.config import PipelineConfig
-    from stages.dist import Dist
-    from stages.reward.model import reward_model_from_lm
-    from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch
-    from stages.training import PlainEngine, adamw
+    from stages.compute import loading
+    from stages.leaves import precision
+    from stages.leaves.config import PipelineConfig
+    from stages.leaves.dist import Dist
+    from stages.compute.reward.model import reward_model_from_lm
+    from stages.pipeline.reward import encode_pairs, forward_pairs, make_sampler, pair_batch
+    from stages.compute.training import PlainEngine, adamw
 
     cfg = PipelineConfig.model_validate(config)
     rm = cfg.reward.model_copy(update={"dynamic_batching": mode == "dynamic"})
@@ -85,9 +86,10 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    from stages import loading, precision
-    from stages.config_loading import load_config
-    from stages.data import load_pairs, make_splits, split_texts
+    from stages.compute import loading
+    from stages.leaves import precision
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
 
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     cfg = load_config(args.preset, args.overrides)

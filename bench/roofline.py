@@ -2,7 +2,7 @@
 
 A decode step reads every weight once and the filled part of the KV cache, so tokens/s is bounded
 by bandwidth / bytes per step × batch. This bench prints, per batch size, the decode tokens/s of
-the eager loop (`model.cuda_graphs: off`) and of the static-buffer step (`stages/ppo/static_sampling.py`:
+the eager loop (`model.cuda_graphs: off`) and of the static-buffer step (`stages/compute/ppo/static_sampling.py`:
 on a GPU captured as a CUDA graph and replayed, on a CPU run uncaptured), each as a fraction of
 that bound, the bandwidth measured in the same run (a device-to-device copy on a GPU, a 512 MiB
 tensor copy on a CPU; bytes read and written counted), and their ratio. The two run interleaved,
@@ -30,10 +30,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stages.models import set_cuda_graphs  # noqa: E402
-from stages.models.llama import StaticDecoder  # noqa: E402
-from stages.ppo import static_sampling  # noqa: E402
-from stages.ppo.generation import generate  # noqa: E402
+from stages.compute.models import set_cuda_graphs  # noqa: E402
+from stages.compute.models.llama import StaticDecoder  # noqa: E402
+from stages.compute.ppo import static_sampling  # noqa: E402
+from stages.compute.ppo.generation import generate  # noqa: E402
 
 # SmolLM2-135M (the demo model's shape) and the ~1.07B Llama of bench/random_model.py.
 SHAPES = {

@@ -96,11 +96,11 @@ def prepare(args, tmp: Path) -> tuple[Path, list[tuple[str, str]]]:
     """The reward model folder (base model + seeded head) and the (prompt, answer) rows."""
     import torch
 
-    from stages import loading
-    from stages.config_loading import load_config
-    from stages.data import load_pairs, make_splits, split_texts
-    from stages.rendering import render_prompt
-    from stages.reward.model import reward_model_from_lm, save_reward_model
+    from stages.compute import loading
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs, make_splits, split_texts
+    from stages.leaves.rendering import render_prompt
+    from stages.compute.reward.model import reward_model_from_lm, save_reward_model
 
     cfg = load_config(args.preset, args.overrides)
     _, pairs, _ = load_pairs(cfg)
@@ -154,7 +154,7 @@ class Server:
 
 
 def start_server(reward_dir: Path, args, batched: bool) -> Server:
-    from stages.launch import free_port
+    from stages.orchestration.launch import free_port
 
     port = free_port()
     sets = [*args.overrides, f"reward_server.batch_across_requests={str(batched).lower()}"]

@@ -25,8 +25,8 @@ from pathlib import Path
 # -- inside a side's process -------------------------------------------------------------------
 def ready(**fields) -> None:
     """Built: `fields` for the parent, with the malloc this process runs on (the benches put this
-    checkout on sys.path, on TRL's side too; stages/allocator.py imports nothing else of it)."""
-    from stages import allocator
+    checkout on sys.path, on TRL's side too; stages/leaves/allocator.py imports nothing else of it)."""
+    from stages.leaves import allocator
 
     print("READY " + json.dumps({**fields, "allocator": allocator.in_use()}), flush=True)
 
@@ -111,9 +111,9 @@ def _cuda_in_use():
 # -- in the parent -----------------------------------------------------------------------------
 def side_environment(kind: str, trl_allocator: str) -> dict[str, str]:
     """A side's process environment: ours as `rlhf` starts the processes that train
-    (stages/allocator.py: TCMalloc where the machine has it); TRL's as it runs out of the box, on
+    (stages/leaves/allocator.py: TCMalloc where the machine has it); TRL's as it runs out of the box, on
     the system's malloc, or on TCMalloc too with `--trl-allocator tcmalloc`."""
-    from stages import allocator
+    from stages.leaves import allocator
 
     if kind == "ours":
         return allocator.environment(dict(os.environ))
@@ -121,7 +121,7 @@ def side_environment(kind: str, trl_allocator: str) -> dict[str, str]:
 
 
 ALLOCATOR_HELP = ("TRL's malloc: system (default: as TRL runs out of the box) or tcmalloc (as ours, "
-                  "stages/allocator.py; RLHF_ALLOCATOR=system runs ours on the system's)")
+                  "stages/leaves/allocator.py; RLHF_ALLOCATOR=system runs ours on the system's)")
 
 
 class Worker:

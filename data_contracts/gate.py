@@ -20,9 +20,9 @@ from typing import Any
 import pandas as pd
 
 from data_contracts.suites import GROUPED, SUITES, derive
-from stages import registry, tracking
-from stages.config import PipelineConfig
-from stages.tags import CONTRACT_TAG
+from stages.leaves.config import PipelineConfig
+from stages.leaves.tags import CONTRACT_TAG
+from stages.orchestration import registry, tracking
 
 ARTIFACT_DIR = "contracts"
 

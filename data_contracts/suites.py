@@ -7,7 +7,7 @@ are expressed with built-ins over columns the stage writes (`rejected_prompt` be
 or with derived columns added in `derive()` before validation, never as Python checks beside GX.
 
 Adding a suite for a new handoff is one function plus one entry in `SUITES` (and the stage
-writing its probe frame, named in its `contract` in `stages/registry.py`).
+writing its probe frame, named in its `contract` in `stages/orchestration/registry.py`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import great_expectations.expectations as gxe
 import pandas as pd
 
-from stages.config import PipelineConfig
-from stages.data import RM_SPLITS, SPLITS, own_sources, pair_digest
+from stages.leaves.config import PipelineConfig
+from stages.pipeline.data import RM_SPLITS, SPLITS, own_sources, pair_digest
 
 RAW_PAIRS_COLUMNS = ["row", "prompt", "rejected_prompt", "chosen", "rejected"]
 SPLITS_COLUMNS = ["row", "split", "prompt", "chosen", "rejected"]

@@ -18,13 +18,14 @@ from filelock import FileLock
 from flows import services
 from flows.config_doc import REFERENCE_COMMAND, config_reference, explain
 from flows.supervise import SUPERVISED, die_with_the_supervisor, supervise
-from stages import allocator, interrupt, lineage, plan, registry, runs, tracking, tracking_queue
-from stages.config import ConfigError, rlhf_home
-from stages.config_loading import load_config
-from stages.data import own_source_config, own_sources
-from stages.plan import TRAINING_STAGES
-from stages.loading import DataError, ModelError, locate
-from stages.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
+from stages.compute.loading import DataError, ModelError, locate
+from stages.leaves import allocator, interrupt
+from stages.leaves.config import ConfigError, rlhf_home
+from stages.leaves.tags import DESCRIPTION_TAG, FAILED_STAGE_TAG
+from stages.orchestration import lineage, plan, registry, runs, tracking, tracking_queue
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.plan import TRAINING_STAGES
+from stages.pipeline.data import own_source_config, own_sources
 
 
 def _env_defaults() -> None:
@@ -101,7 +102,7 @@ def _open_stores() -> None:
 @contextlib.contextmanager
 def _stop_on_signals():
     """While the flow runs here: SIGINT/SIGTERM ask the running stage to stop at its next step
-    boundary (stages/interrupt.py); the previous handlers come back afterwards."""
+    boundary (stages/leaves/interrupt.py); the previous handlers come back afterwards."""
 
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -181,7 +182,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException  # deferred: MLflow, for the commands that read a store
 
-    from stages import study_records as studies  # deferred: as MLflow above
+    from stages.orchestration import study_records as studies  # deferred: as MLflow above
 
     try:
         text = studies.study_report(args.study_run)
@@ -256,7 +257,7 @@ def _precision_line(cfg) -> str:
     """What model.precision resolves to on this machine (a YAML comment)."""
     import torch  # deferred: torch only for the precision line
 
-    from stages import precision  # deferred: imports torch
+    from stages.leaves import precision  # deferred: imports torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return (f"# model.precision {cfg.model.precision} resolves to {precision.resolve(cfg.model.precision, device)} "
@@ -264,7 +265,7 @@ def _precision_line(cfg) -> str:
 
 
 def _allocator_line() -> str:
-    """The malloc the processes that train would start on (a YAML comment; stages/allocator.py)."""
+    """The malloc the processes that train would start on (a YAML comment; stages/leaves/allocator.py)."""
     library = allocator.preloaded(allocator.environment(dict(os.environ)))
     return (f"# training processes run on {'TCMalloc (' + library + ')' if library else 'the system malloc'} "
             f"({allocator.VARIABLE}={os.environ.get(allocator.VARIABLE, 'auto')})")
@@ -318,7 +319,7 @@ def _check_plan(args: argparse.Namespace, cfg, stages: list[str] | None) -> None
 
 
 def _serve_reward(args) -> int:
-    from stages.reward.serve import RewardScorer, make_app, make_server, token_from_env  # deferred: imports torch
+    from stages.compute.reward.serve import RewardScorer, make_app, make_server, token_from_env  # deferred: imports torch
 
     cfg = load_config(args.preset, args.overrides)
     token = token_from_env(args.auth_env)
@@ -524,7 +525,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from prefect.exceptions import CancelledRun  # deferred: Prefect
 
-    from stages.ppo.external_scores import RewardServerUnavailable  # deferred: imports torch
+    from stages.compute.ppo.external_scores import RewardServerUnavailable  # deferred: imports torch
 
     state = None
     try:

@@ -10,9 +10,9 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from stages.config import ConfigError, PipelineConfig
-from stages.config_fields import config_fields
-from stages.config_loading import load_config
+from stages.leaves.config import ConfigError, PipelineConfig
+from stages.orchestration.config_fields import config_fields
+from stages.orchestration.config_loading import load_config
 
 
 def flow_style(value) -> str:
@@ -135,7 +135,7 @@ def config_reference() -> str:
     default and its description (which names its source), one section per stage config; the
     page docs/config.md."""
     intro = " ".join([
-        f"Generated from the fields of `stages/config.py` by `{REFERENCE_COMMAND}`: edit the",
+        f"Generated from the fields of `stages/leaves/config.py` by `{REFERENCE_COMMAND}`: edit the",
         "`Field(description=…)` there, not this page. A preset (`infra/presets`) or `--set section.field=value`",
         "changes a value; `rlhf config --explain --preset NAME` prints a preset's values and what changed them.",
         "The defaults are the typed defaults (the paper's, where it gives one): the top-level fields first, then",

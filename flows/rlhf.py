@@ -19,12 +19,12 @@ from prefect.states import Cancelled
 
 from data_contracts import ContractError, check_handoff
 from flows import services
-from stages import lineage, registry, run_writers, runs, tracking, tracking_queue
-from stages.config import PipelineConfig, rlhf_home
-from stages.config_loading import load_config
-from stages.interrupt import StageInterrupted
-from stages.launch import StageLaunchError, execute
-from stages.tags import FLOW_RUN_TAG
+from stages.leaves.config import PipelineConfig, rlhf_home
+from stages.leaves.interrupt import StageInterrupted
+from stages.leaves.tags import FLOW_RUN_TAG
+from stages.orchestration import lineage, registry, run_writers, runs, tracking, tracking_queue
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import StageLaunchError, execute
 
 # What a stage is retried on (orchestration.retries times): its ranks crashed, or a connection
 # to MLflow, the artifact store or the Prefect API dropped. Anything else (a gate, a bad config,
@@ -242,7 +242,7 @@ def rlhf(
             else:
                 produced = run_stage(name, cfg, pipeline, inputs, force)
             inputs = {**inputs, **produced}
-    except StageInterrupted as err:  # stopped on request at a step boundary (stages/interrupt.py)
+    except StageInterrupted as err:  # stopped on request at a step boundary (stages/leaves/interrupt.py)
         pipeline.finish("KILLED")
         message = f"{err}. Resume with: {services.command('rlhf')} run --resume {pipeline.run_id}"
         print(message)

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import shutil
 
-from stages import allocator
-from stages.config import REPO_ROOT, rlhf_home
+from stages.leaves import allocator
+from stages.leaves.config import REPO_ROOT, rlhf_home
 
 
 class ServicesError(RuntimeError):

@@ -2,8 +2,8 @@
 gold reward model on the chain's gold pairs (with `study.gold_relabels` trained first, from the
 chain's data and SFT, and the proxy RM learns its labels), then PPO and evaluation once per arm (and seed of
 `study.seeds`) on the chain's artifacts, each a pipeline run (a subflow of this one) nested under
-the study's MLflow run; the best-of-n arms (the best-of-n stage once per seed, stages/best_of_n.py);
-at the end the study's figures and table (stages/study_records.py).
+the study's MLflow run; the best-of-n arms (the best-of-n stage once per seed, stages/pipeline/best_of_n.py);
+at the end the study's figures and table (stages/orchestration/study_records.py).
 
 Arms run one after another in this process. A study resumes where it stopped (`resume`: the
 study's run id): a finished arm is kept, an unfinished one continues as `rlhf --resume` does (PPO
@@ -22,11 +22,11 @@ from prefect.states import Cancelled
 
 from flows import services
 from flows.rlhf import rlhf, run_stage
-from stages import study_records as studies
-from stages import lineage, run_writers, tracking
-from stages.config import ConfigError, PipelineConfig, StudyConfig, rlhf_home
-from stages.config_loading import load_config
-from stages.interrupt import StageInterrupted
+from stages.leaves.config import ConfigError, PipelineConfig, StudyConfig, rlhf_home
+from stages.leaves.interrupt import StageInterrupted
+from stages.orchestration import study_records as studies
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
 
 BEST_OF_N_STAGE = "best_of_n"  # the registry's stage of the best-of-n arms' draws
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from flows import services
-from stages import allocator
+from stages.leaves import allocator
 
 SUPERVISED = "RLHF_SUPERVISED"  # set in the child that `supervise` runs a command in
 

@@ -1,7 +1,7 @@
 """The pyfunc side of a chat model (SFT, policy): what `mlflow.pyfunc.load_model` and `mlflow models
 serve` run. It is MLflow's own transformers pyfunc (llm/v1/chat requests and answers) over a
 text-generation pipeline whose repetition penalty lowers the tokens generated so far only, as the
-eval stage samples the answers it judges and PPO its rollouts (`stages.ppo.generation`; paper §6.1
+eval stage samples the answers it judges and PPO its rollouts (`stages.compute.ppo.generation`; paper §6.1
 and MOSS-RLHF penalise generated tokens only). transformers' own penalty, the generation config's
 `repetition_penalty`, also lowers every token of the prompt.
 
@@ -21,7 +21,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, 
 class ResponsePenaltyPipeline(TextGenerationPipeline):
     """transformers' text-generation pipeline with the repetition penalty on the response's tokens.
     Its processor replaces the one `generate` makes from the generation config, in the same place of
-    the processor list (before temperature, top-k and top-p, as `stages.ppo.sampling.next_tokens`)."""
+    the processor list (before temperature, top-k and top-p, as `stages.compute.ppo.sampling.next_tokens`)."""
 
     def _forward(self, model_inputs, **generate_kwargs):
         config = generate_kwargs.get("generation_config") or self.model.generation_config

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.launch import free_port
+from stages.orchestration.launch import free_port
 
 # The data the tests read: the offline mirror of the hub's data sets in the project's surroundings
 # (CI clones the repository with shared/ beside it; RLHF_TEST_HUB_MIRROR names it for a checkout
@@ -119,10 +119,10 @@ def s3_server():
 def tiny(hh_file):
     """The tiny preset's model folder (random Llama, BPE tokenizer trained on HH text), its tokenizer
     and 256 encoded HH prompts."""
-    from stages.config_loading import load_config
-    from stages.data import load_pairs
-    from stages.ppo.setup import encode_prompts
-    from stages.loading import load_tokenizer, materialise_model
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.data import load_pairs
+    from stages.compute.ppo.setup import encode_prompts
+    from stages.compute.loading import load_tokenizer, materialise_model
 
     cfg = load_config("tiny", [f"data.pairs={hh_file}"])
     _, pairs, _ = load_pairs(cfg)
@@ -138,9 +138,9 @@ def reward_model_dir(tiny, tmp_path_factory):
     """A reward model on the tiny preset's model (random head, seed 0), saved as the reward stage saves one."""
     import torch  # deferred: conftest loads before any test needs torch
 
-    from stages.config_loading import load_config
-    from stages.loading import load_model
-    from stages.reward.model import RewardModel, save_reward_model
+    from stages.orchestration.config_loading import load_config
+    from stages.compute.loading import load_model
+    from stages.compute.reward.model import RewardModel, save_reward_model
 
     folder, tokenizer, _ = tiny
     torch.manual_seed(0)
@@ -152,9 +152,9 @@ def reward_model_dir(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def splits_outputs():
     """The tiny preset's data stage, run once per module in its own pipeline run: its outputs."""
-    from stages import run_writers
-    from stages.config_loading import load_config
-    from stages.launch import execute
+    from stages.orchestration import run_writers
+    from stages.orchestration.config_loading import load_config
+    from stages.orchestration.launch import execute
 
     cfg = load_config("tiny")
     pipeline = run_writers.PipelineRun.start(cfg, ["data"])

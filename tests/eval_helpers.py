@@ -11,8 +11,8 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stages import loading
-from stages.config_loading import load_config
+from stages.compute import loading
+from stages.orchestration.config_loading import load_config
 
 SECRET = "sk-test-0123456789abcdef-never-logged"
 

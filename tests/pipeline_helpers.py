@@ -12,8 +12,8 @@ from pathlib import Path
 
 import requests
 
-from stages import lineage, tracking
-from stages.launch import free_port
+from stages.orchestration import lineage, tracking
+from stages.orchestration.launch import free_port
 
 TRL_NAMES = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
              "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",

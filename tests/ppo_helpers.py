@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from stages import precision
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages.ppo.experience import rule_scores
-from stages.ppo.trainer import PPOTrainer
-from stages.reward.model import RewardModel
-from stages.loading import load_model
+from stages.compute.loading import load_model
+from stages.compute.ppo.experience import rule_scores
+from stages.compute.ppo.trainer import PPOTrainer
+from stages.compute.reward.model import RewardModel
+from stages.leaves import precision
+from stages.leaves.dist import Dist
+from stages.orchestration.config_loading import load_config
 
 RULE = "char_fraction:e"
 

@@ -1,4 +1,4 @@
-"""The processes that train run on TCMalloc where the machine has it (stages/allocator.py): the
+"""The processes that train run on TCMalloc where the machine has it (stages/leaves/allocator.py): the
 environment `rlhf` starts them with, and what it changes — a large tensor freed and made again is
 not faulted in afresh."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from stages import allocator
+from stages.leaves import allocator
 
 TCMALLOC = allocator.find_tcmalloc()
 needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="no TCMalloc: make install adds libtcmalloc-minimal4")
@@ -19,7 +19,7 @@ needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None, reason="no TCMalloc: make 
 # (a page mapped anew and zeroed) the loop took.
 LOOP = """
 import resource, torch
-from stages import allocator
+from stages.leaves import allocator
 torch.empty(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):

@@ -1,4 +1,4 @@
-"""Training checkpoints (stages/checkpoint.py): a checkpoint number saved again, as the lifecycle
+"""Training checkpoints (stages/compute/checkpoint.py): a checkpoint number saved again, as the lifecycle
 does when a stop comes right after a periodic checkpoint, keeps a copy that verifies at every
 moment of the save: a process killed at any of its renames resumes from that number."""
 
@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from stages import checkpoint
-from stages.dist import Dist
-from stages.nonfinite import NonFiniteGuard
-from stages.training import adamw, cosine_with_warmup, make_engine
+from stages.compute import checkpoint
+from stages.compute.nonfinite import NonFiniteGuard
+from stages.compute.training import adamw, cosine_with_warmup, make_engine
+from stages.leaves.dist import Dist
 
 
 class Killed(BaseException):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages import allocator, lineage, tracking
-from stages.config_loading import load_config
-from stages.tags import FAILED_STAGE_TAG
+from stages.leaves import allocator
+from stages.leaves.tags import FAILED_STAGE_TAG
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 
 def _rlhf(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -63,7 +64,7 @@ def test_run_on_the_ephemeral_api():
     run_id = re.search(r"Pipeline run (\w+) finished", out.stdout).group(1)
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
     assert "mlflow ui --backend-store-uri sqlite:///" in out.stdout
-    # The pipeline ran in the command's child, on TCMalloc where the machine has it (stages/allocator.py).
+    # The pipeline ran in the command's child, on TCMalloc where the machine has it (stages/leaves/allocator.py).
     (data,) = lineage.stage_runs(run_id)
     assert data.data.params["allocator"] == ("tcmalloc" if allocator.find_tcmalloc() else "system")
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import lineage, loading, tracking
-from stages.config_loading import load_config
+from stages.compute import loading
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 SMALL = ["--set", "sft.max_steps=2", "--set", "reward.max_steps=2", "--set", "critic.max_steps=2",
          "--set", "ppo.iterations=2", "--set", "ppo.eval_every=1", "--set", "ppo.samples_every=2"]

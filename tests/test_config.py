@@ -6,13 +6,13 @@ from unittest.mock import patch
 import pytest
 from pydantic import BaseModel
 
-import stages.config as config_module
-from stages import registry
+import stages.leaves.config as config_module
+from stages.orchestration import registry
 from config_helpers import dotted_keys
 from flows.cli import main
-from stages.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
+from stages.leaves.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
                            SFTConfig)
-from stages.config_loading import load_config, nest_overrides, parse_override, upgrade_recorded
+from stages.orchestration.config_loading import load_config, nest_overrides, parse_override, upgrade_recorded
 
 # A description of an SFT, reward, critic, PPO or generation field names where its value comes
 # from: the paper ("paper §5.1", "paper Fig. 7"), MOSS-RLHF's code, another implementation, or
@@ -172,7 +172,7 @@ def test_the_default_config_loads_without_torch():
     import subprocess
     import sys
 
-    code = "import sys; from stages.config_loading import load_config; load_config('tiny'); print('torch' in sys.modules)"
+    code = "import sys; from stages.orchestration.config_loading import load_config; load_config('tiny'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=config_module.REPO_ROOT, env={**os.environ, "PYTHONPATH": str(config_module.REPO_ROOT)})
     assert out.stdout.strip() == "False"

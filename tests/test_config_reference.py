@@ -4,8 +4,8 @@ committed page must be what the command prints today."""
 from pathlib import Path
 
 from flows import cli
-from stages.config import PipelineConfig
-from stages.config_fields import config_fields
+from stages.leaves.config import PipelineConfig
+from stages.orchestration.config_fields import config_fields
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

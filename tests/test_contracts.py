@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 from data_contracts import ContractError, gate, validate
-from stages import tracking
-from stages.config_loading import load_config
-from stages.data import load_pairs, make_splits, raw_pairs_frame, splits_frame
-from stages.loading import DataError, read_records
+from stages.compute.loading import DataError, read_records
+from stages.orchestration import tracking
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import load_pairs, make_splits, raw_pairs_frame, splits_frame
 
 DIALOGUE = "\n\nHuman: question {i}?\n\nAssistant: {answer}"
 

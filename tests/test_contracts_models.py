@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 
 from data_contracts import ContractError, gate, validate
-from stages import tracking
-from stages.config import PipelineConfig
-from stages.config_loading import load_config
+from stages.leaves.config import PipelineConfig
+from stages.orchestration import tracking
+from stages.orchestration.config_loading import load_config
 
 DEMO, TINY, DEFAULTS = load_config("demo"), load_config("tiny"), PipelineConfig()
 

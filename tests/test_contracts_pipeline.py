@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from data_contracts import ContractError
-from stages import lineage, tracking
-from stages.loading import DataError
+from stages.compute.loading import DataError
+from stages.orchestration import lineage, tracking
 
 CORRUPT_EVERY = 20  # 116 of 2312 rows get rejected = chosen: 5 % > the 1 % tolerance
 

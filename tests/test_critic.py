@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages.ppo.reward_shaping import RunningMoments, reparameterise_scores
-from stages.model_loading import load_models
-from stages.reward.model import RewardModel, save_reward_model
-from stages.loading import load_model
+from stages.compute.loading import load_model
+from stages.compute.model_loading import load_models
+from stages.compute.ppo.reward_shaping import RunningMoments, reparameterise_scores
+from stages.compute.reward.model import RewardModel, save_reward_model
+from stages.leaves.dist import Dist
+from stages.orchestration.config_loading import load_config
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from stages.config import ConfigError, DataConfig
-from stages.config_loading import load_config
-from stages.data import SPLITS, load_pairs, make_splits, parse_pair, prompt_messages, split_dialogue
-from stages.loading import DataError, read_records
-from stages.rendering import count_cut, encode_example, render_prompt, render_response
+from stages.compute.loading import DataError, read_records
+from stages.leaves.config import ConfigError, DataConfig
+from stages.leaves.rendering import count_cut, encode_example, render_prompt, render_response
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import SPLITS, load_pairs, make_splits, parse_pair, prompt_messages, split_dialogue
 
 DIALOGUE = "\n\nHuman: hi there\n\nAssistant: hello!\n\nHuman: how are you?\n\nAssistant: fine, thanks"
 
@@ -118,7 +118,7 @@ def test_parquet_csv_and_gz_read_the_same_rows(tmp_path: Path):
 
 
 def _dialogue_tokenizer():
-    from stages.loading import train_bpe_tokenizer
+    from stages.compute.loading import train_bpe_tokenizer
     from transformers import AutoTokenizer
     import tempfile
 

@@ -10,18 +10,18 @@ import json
 import pandas as pd
 import pytest
 
-from stages import lineage, tracking
-from stages.config import DataConfig
-from stages.config_loading import load_config
-from stages.data import load_pairs, make_splits, parse_pair, read_jsonl
-from stages.loading import DataError
+from stages.compute.loading import DataError
+from stages.leaves.config import DataConfig
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import load_pairs, make_splits, parse_pair, read_jsonl
 
 
 def _assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-# One clean pair (stages.data's record) → a row in each format, as a user's file would hold it.
+# One clean pair (stages.pipeline.data's record) → a row in each format, as a user's file would hold it.
 CONVERT = {
     "hh": lambda p: {"chosen": f"{p['prompt']} {p['chosen']}", "rejected": f"{p['prompt']} {p['rejected']}"},
     "standard": lambda p: {"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]},

@@ -11,19 +11,19 @@ import json
 import pytest
 
 from data_contracts import validate
-from stages import lineage, tracking
-from stages.config import ConfigError, DataConfig
-from stages.config_loading import load_config
-from stages.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
+from stages.leaves.config import ConfigError, DataConfig
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
                          read_own_sources, splits_frame)
-from stages.loading import DataError
+from stages.compute.loading import DataError
 
 
 def _assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
-# One clean pair (stages.data's record) → an SFT row (its prompt and chosen answer) in each of TRL's
+# One clean pair (stages.pipeline.data's record) → an SFT row (its prompt and chosen answer) in each of TRL's
 # SFT formats, and a prompt-only row in each prompt format.
 SFT_FORMATS = {
     "messages": lambda p: {"messages": p["messages"] + _assistant(p["chosen"])},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import lineage, run_writers, tracking
-from stages.config_loading import load_config
-from stages.launch import execute
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
 
 
 def test_sft_on_two_deepspeed_ranks(splits_outputs):
@@ -32,7 +32,7 @@ def test_sft_on_two_deepspeed_ranks(splits_outputs):
 
 
 def test_a_failing_rank_fails_the_stage_with_its_log(splits_outputs):
-    from stages.launch import StageLaunchError
+    from stages.orchestration.launch import StageLaunchError
 
     cfg = load_config("tiny", ["sft.launch.world_size=2", "sft.launch.deepspeed=zero2", "sft.micro_batch_size=200"])
     pipeline = run_writers.PipelineRun.start(cfg, ["sft"])

@@ -26,11 +26,11 @@ ZERO_STAGES = ["zero2", "zero3"]
 
 @pytest.fixture(scope="module")
 def one_nccl_rank():
-    """This process as rank 0 of a world of one, over NCCL, as `stages.launch` starts a rank."""
+    """This process as rank 0 of a world of one, over NCCL, as `stages.orchestration.launch` starts a rank."""
     import deepspeed
     import torch.distributed as torch_dist
 
-    from stages.launch import free_port
+    from stages.orchestration.launch import free_port
 
     rank_environment = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(free_port()))
@@ -48,9 +48,9 @@ def one_nccl_rank():
 
 
 def dist_for(zero: str | None):
-    from stages.config import LaunchConfig
-    from stages.dist import Dist
-    from stages.launch import resolve_deepspeed_config
+    from stages.leaves.config import LaunchConfig
+    from stages.leaves.dist import Dist
+    from stages.orchestration.launch import resolve_deepspeed_config
 
     config = resolve_deepspeed_config("sft", LaunchConfig(deepspeed=zero)) if zero else None
     return Dist(deepspeed_config=config, device="cuda:0")
@@ -59,7 +59,7 @@ def dist_for(zero: str | None):
 def train(make_model, loss_of, zero: str | None, lr: float = 3e-3) -> list[float]:
     """Losses of STEPS steps of `loss_of(engine, step)` on a fresh model under the plain engine (zero
     None) or DeepSpeed's, in bf16."""
-    from stages.training import adamw, make_engine
+    from stages.compute.training import adamw, make_engine
 
     torch.manual_seed(0)
     model = make_model().to("cuda:0")
@@ -84,7 +84,7 @@ def assert_same_losses(plain: list[float], ours: list[float]) -> None:
 
 def batches(tiny, rows: int = 4) -> list[dict[str, torch.Tensor]]:
     """STEPS right-padded batches of the tiny preset's encoded prompts, labels = the ids."""
-    from stages.rendering import collate
+    from stages.leaves.rendering import collate
 
     _, tokenizer, prompts = tiny
     return [{k: v.to("cuda:0") for k, v in collate([(p, p) for p in prompts[step * rows : (step + 1) * rows]],
@@ -94,9 +94,9 @@ def batches(tiny, rows: int = 4) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("zero", ZERO_STAGES)
 def test_sft_loss_under_deepspeed_equals_the_plain_engines(one_nccl_rank, tiny, zero):
-    from stages.config_loading import load_config
-    from stages.sft import response_nll
-    from stages.loading import load_model
+    from stages.orchestration.config_loading import load_config
+    from stages.pipeline.sft import response_nll
+    from stages.compute.loading import load_model
 
     folder = tiny[0]
     data = batches(tiny)
@@ -115,11 +115,11 @@ def test_sft_loss_under_deepspeed_equals_the_plain_engines(one_nccl_rank, tiny, 
 def test_reward_and_critic_losses_under_deepspeed_equal_the_plain_engines(one_nccl_rank, tiny, zero):
     """The reward model's pairwise loss (paper eq. 1) and the critic's value loss on the reward
     model's architecture."""
-    from stages.config_loading import load_config
-    from stages.losses import pairwise_loss, value_loss
-    from stages.ppo.experience import token_values
-    from stages.reward.model import RewardModel
-    from stages.loading import load_model
+    from stages.orchestration.config_loading import load_config
+    from stages.compute.losses import pairwise_loss, value_loss
+    from stages.compute.ppo.experience import token_values
+    from stages.compute.reward.model import RewardModel
+    from stages.compute.loading import load_model
 
     folder = tiny[0]
     chosen, rejected = batches(tiny), [batches(tiny)[(step + 1) % STEPS] for step in range(STEPS)]
@@ -152,10 +152,10 @@ def test_a_ppo_iteration_under_deepspeed_equals_the_plain_engines(one_nccl_rank,
     greedy rollouts at a near tie."""
     from ppo_helpers import make_trainer
 
-    from stages.config_loading import load_config
-    from stages.precision import dtype
-    from stages.reward.model import RewardModel
-    from stages.loading import load_model
+    from stages.orchestration.config_loading import load_config
+    from stages.leaves.precision import dtype
+    from stages.compute.reward.model import RewardModel
+    from stages.compute.loading import load_model
 
     folder = tiny[0]
     model_cfg = load_config("tiny", ["model.fast_path=off"]).model

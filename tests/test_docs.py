@@ -127,7 +127,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def repository_paths(code: str) -> list[tuple[str, Path, None]]:
-    """The repository paths named in a piece of code, placeholders (`stages/models/<arch>.py`) left out."""
+    """The repository paths named in a piece of code, placeholders (`stages/compute/models/<arch>.py`) left out."""
     return [(code.strip(), ROOT / match.group(1), None) for match in REPO_PATH.finditer(code)
             if not re.match(r"[<{*…]", code[match.end():match.end() + 1])]
 
@@ -165,11 +165,11 @@ def test_every_named_path_exists(page):
 
 
 def test_path_check_sees_missing_paths(tmp_path):
-    text = ("`stages/config.py` and `stages/no_such_module.py: run()`, [a page](guide/none.md), "
-            "`stages/models/<arch>.py` (a placeholder)\n```\n.venv/bin/python bench/no_such_bench.py --help\n"
+    text = ("`stages/leaves/config.py` and `stages/no_such_module.py: run()`, [a page](guide/none.md), "
+            "`stages/compute/models/<arch>.py` (a placeholder)\n```\n.venv/bin/python bench/no_such_bench.py --help\n"
             "python bench/<name>.py\n```\n")
     names = [(written, path.exists()) for written, path, _ in named_paths(tmp_path / "page.md", text)]
-    assert names == [(".venv/bin/python bench/no_such_bench.py --help", False), ("stages/config.py", True),
+    assert names == [(".venv/bin/python bench/no_such_bench.py --help", False), ("stages/leaves/config.py", True),
                      ("stages/no_such_module.py: run()", False), ("guide/none.md", False)]
 
 

@@ -1,4 +1,4 @@
-"""The fast path's input embedding gradient added into `.grad` in place (stages/models/embedding.py)
+"""The fast path's input embedding gradient added into `.grad` in place (stages/compute/models/embedding.py)
 is autograd's: tied to the LM head or not, over micro-batches, with the padding row untrained."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.models import last_hidden_state, set_fast_path
-from stages.models.embedding import IN_PLACE_ATTRIBUTE, add_gradients_in_place
-from stages.training import PlainEngine, linear_warmup
+from stages.compute.models import last_hidden_state, set_fast_path
+from stages.compute.models.embedding import IN_PLACE_ATTRIBUTE, add_gradients_in_place
+from stages.compute.training import PlainEngine, linear_warmup
 
 PAD = 5
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # PlainEngine turns it on on both

@@ -15,11 +15,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import BloomConfig, BloomForCausalLM, PreTrainedTokenizerFast
 
 from eval_helpers import tiny_lm
-from stages import loading
-from stages.config import CEvalConfig
-from stages.config_loading import load_config
-from stages.evaluate import ceval, report
-from stages.loading import DataError, data_dir
+from stages.compute import loading
+from stages.compute.evaluate import ceval, report
+from stages.compute.loading import DataError, data_dir
+from stages.leaves.config import CEvalConfig
+from stages.orchestration.config_loading import load_config
 
 SUBJECTS = ["computer_network", "law", "physician", "middle_school_politics"]
 

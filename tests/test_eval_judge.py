@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from eval_helpers import SECRET, JudgeServer, tiny_lm
-from stages.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig
-from stages.rendering import render_prompt, render_response
-from stages.evaluate.judge import (
+from stages.leaves.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig
+from stages.leaves.rendering import render_prompt, render_response
+from stages.compute.evaluate.judge import (
     JudgeError, LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, parse_verdict, tally,
 )
-from stages.reward.model import RewardModel
+from stages.compute.reward.model import RewardModel
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 MESSAGES = [{"role": "user", "content": "How do I bake bread?"}]
@@ -138,7 +138,7 @@ def test_reward_model_judge_scores_a_cut_response_without_eos():
 
 
 def _control(chosen: str, rejected: str, n: int) -> list[Pair]:
-    """n labelled pairs: the chosen answer in the policy's place, as stages/evaluate/quality.py builds them."""
+    """n labelled pairs: the chosen answer in the policy's place, as stages/compute/evaluate/quality.py builds them."""
     return [Pair(row=100 + i, messages=[{"role": "user", "content": f"Question {i}?"}], policy=f"{chosen} {i}",
                  sft=f"{rejected} {i}") for i in range(n)]
 
@@ -147,7 +147,7 @@ def test_a_chat_judge_at_chance_on_labelled_pairs_cannot_decide_and_one_that_tel
     """The loopback judge prefers the shorter answer: where the chosen answer is the shorter, it is
     right on all 24 control pairs (Wilson's interval above 0.5); a judge that always names the first
     position ties every pair in the two orders, 0.5, and its interval includes chance."""
-    from stages.evaluate import quality
+    from stages.compute.evaluate import quality
 
     with JudgeServer() as server:
         right = quality.measured(_judge(server, tmp_path), _control("Short.", "A much longer answer.", 24), 0.95)
@@ -166,7 +166,7 @@ def test_a_chat_judge_at_chance_on_labelled_pairs_cannot_decide_and_one_that_tel
 def test_a_reward_models_recorded_accuracy_is_read_from_its_version_tags():
     """The reward stage's tags: accuracy, its interval and the pair count (the demo's RM: 19 of 32);
     without the interval bounds Wilson's at the level asked; without the pair count none at all."""
-    from stages.evaluate import quality
+    from stages.compute.evaluate import quality
 
     tags = {"rlhf.heldout_accuracy": "0.5938", "rlhf.heldout_accuracy_ci_low": "0.4226",
             "rlhf.heldout_accuracy_ci_high": "0.7448", "rlhf.heldout_pairs": "32"}

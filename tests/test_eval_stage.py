@@ -20,8 +20,8 @@ from data_contracts import validate
 from eval_helpers import SECRET, JudgeServer
 from leaks import files, leaks, mlflow_texts
 from pipeline_helpers import stage_run
-from stages import lineage, tracking
-from stages.config_loading import load_config
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"
 
@@ -168,7 +168,7 @@ def test_a_judge_at_chance_cannot_decide_and_grants_no_champion(evaluated, tmp_p
     and @champion stays where it was; the reward-model judge carries the accuracy the reward stage
     recorded on the version it reads, and every judge its length-controlled net win."""
     from flows.rlhf import rlhf
-    from stages import runs
+    from stages.orchestration import runs
 
     (tmp_path / "tie_judge.py").write_text(TIE_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

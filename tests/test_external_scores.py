@@ -1,4 +1,4 @@
-"""PPO's reward sources beside the trained RM (stages/ppo/external_scores.py): a python function and
+"""PPO's reward sources beside the trained RM (stages/compute/ppo/external_scores.py): a python function and
 a reward server over real HTTP each drive tiny PPO through the real flow; `rlhf serve-reward`
 serves our RM with the server API and scores exactly as the RM does; retries, auth and bad
 answers."""
@@ -17,11 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from stages import lineage, tracking
-from stages.config import REPO_ROOT
-from stages.config_loading import load_config
-from stages.launch import free_port
-from stages.ppo.external_scores import RewardSourceError, batch_texts, post_scores
+from stages.compute.ppo.external_scores import RewardSourceError, batch_texts, post_scores
+from stages.leaves.config import REPO_ROOT
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import free_port
 
 REWARD_MODULE = '''
 import json, os
@@ -96,11 +96,11 @@ def _health(url: str) -> dict:
 
 def test_serve_reward_scores_as_the_reward_model_does(reward_server, full_run):
     """The served score of a rollout's text equals the local RM's score of the rollout's tokens."""
-    from stages.data import read_jsonl
-    from stages.ppo.experience import reward_model_scores
-    from stages.ppo.setup import encode_prompts
-    from stages.reward.model import load_reward_model
-    from stages.loading import load_tokenizer
+    from stages.pipeline.data import read_jsonl
+    from stages.compute.ppo.experience import reward_model_scores
+    from stages.compute.ppo.setup import encode_prompts
+    from stages.compute.reward.model import load_reward_model
+    from stages.compute.loading import load_tokenizer
 
     cfg = load_config("tiny")
     outputs = lineage.outputs_of(full_run)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import TRL_NAMES, MlflowServer, stage_run
 
-from stages import lineage, run_writers, tracking, tracking_queue
-from stages.config import rlhf_home
-from stages.config_loading import load_config
-from stages.launch import execute
-from stages import checkpoint
+from stages.compute import checkpoint
+from stages.leaves.config import rlhf_home
+from stages.orchestration import lineage, run_writers, tracking, tracking_queue
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
 
 
 def runs_dir() -> Path:
@@ -261,9 +261,9 @@ def test_a_disk_that_fills_inside_torch_save_is_a_disk_full_error(small_tmpfs):
     while the optimiser states were written): still a DiskFullError, with nothing half written."""
     import torch
 
-    from stages import checkpoint as shared
-    from stages.dist import Dist
-    from stages.training import adamw, cosine_with_warmup, make_engine
+    from stages.compute import checkpoint as shared
+    from stages.leaves.dist import Dist
+    from stages.compute.training import adamw, cosine_with_warmup, make_engine
 
     model = torch.nn.Linear(256, 256)
     optimizer = adamw(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)

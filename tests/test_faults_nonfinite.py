@@ -1,4 +1,4 @@
-"""NaN/Inf in rewards or losses (stages/nonfinite.py), on real tiny runs: the step is skipped and
+"""NaN/Inf in rewards or losses (stages/compute/nonfinite.py), on real tiny runs: the step is skipped and
 counted, no weight moves, training goes on; K skipped steps in a row stop the stage with a
 NonFiniteError naming the step and the tensor. Faults are injected as inputs: a score function
 that returns NaN/Inf on chosen iterations, a critic weight set to NaN, a loss that turns NaN."""
@@ -16,11 +16,12 @@ import torch
 from safetensors.torch import load_file
 from ppo_helpers import make_trainer
 
-from stages import lineage, run_writers, sft, tracking
-from stages.config_loading import load_config
-from stages.nonfinite import NonFiniteError
-from stages.launch import execute, free_port
-from stages.training import PlainEngine
+from stages.compute.nonfinite import NonFiniteError
+from stages.compute.training import PlainEngine
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute, free_port
+from stages.pipeline import sft
 
 
 def nonfinite_scores(score_fn, value: float, iterations: set[int]):
@@ -160,8 +161,8 @@ def test_sft_stops_after_k_nonfinite_steps(splits, monkeypatch):
 # Rank 0 alone sees a NaN at step 1, rank 1 alone an Inf at step 2; step 3 is finite on both.
 RANK = """
 import json, math, sys, torch
-from stages.nonfinite import NonFiniteGuard
-from stages.dist import Dist
+from stages.compute.nonfinite import NonFiniteGuard
+from stages.leaves.dist import Dist
 rank, port = int(sys.argv[1]), sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 guard = NonFiniteGuard("sft", 3, Dist(rank=rank, world_size=2))
@@ -191,7 +192,7 @@ def test_a_finite_loss_whose_gradient_is_not_finite_moves_no_weight(precision, j
     as DeepSpeed's optimisers skip an overflow (gradients dropped, no update, no lr step) and
     counted; the next step with a finite gradient trains. With the joint clip (PPO's actor and
     critic clipped as one) the engines learn the norm from `clip_grad_norm`."""
-    from stages.training import clip_grad_norm, linear_warmup
+    from stages.compute.training import clip_grad_norm, linear_warmup
 
     torch.manual_seed(0)
     engines = []

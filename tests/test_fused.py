@@ -1,4 +1,4 @@
-"""stages.models.fused: the compiled RMSNorm and SwiGLU kernels of the bf16 forward on a CPU under
+"""stages.compute.models.fused: the compiled RMSNorm and SwiGLU kernels of the bf16 forward on a CPU under
 autograd compute the eager modules' formulas, forward and backward, and the padding-free forward
 that uses them stays as close to an fp64 reference as the model's own bf16 forward."""
 
@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from stages.models import fused, last_hidden_state, set_fast_path
+from stages.compute.models import fused, last_hidden_state, set_fast_path
 
 BF16_STEP = 2.0**-7  # bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-8 of it
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # C++ kernels on a CPU, Triton on a GPU

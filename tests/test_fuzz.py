@@ -1,7 +1,7 @@
-"""Fuzzing the three readers of user input: the data reader (stages/loading.py → stages/data.py:
+"""Fuzzing the three readers of user input: the data reader (stages/compute/loading.py → stages/pipeline/data.py:
 a file → raw records → pairs → the split files the data stage writes), the config loader
-(stages/config.py: a preset YAML file + `--set` overrides → PipelineConfig) and the reward
-server's request parser (stages/reward/serve.py: a POST body → prompts, responses, ended).
+(stages/leaves/config.py: a preset YAML file + `--set` overrides → PipelineConfig) and the reward
+server's request parser (stages/compute/reward/serve.py: a POST body → prompts, responses, ended).
 Whatever the bytes, each returns or raises our own error, DataError (naming the file, the row and
 the rule), ConfigError (naming the key or the file) or the server's ClientError with a 4xx status
 (the server answers anything else 500, its own fault); nothing else may escape.
@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, example, given, settings
 from config_helpers import dotted_keys
 from hypothesis import strategies as st
 
-from stages.config import ConfigError, DataConfig, PipelineConfig, RewardServerConfig
-from stages.config_loading import load_config
-from stages.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
-from stages.loading import DataError, read_records
-from stages.reward.serve import ClientError, parse_body
+from stages.compute.loading import DataError, read_records
+from stages.compute.reward.serve import ClientError, parse_body
+from stages.leaves.config import ConfigError, DataConfig, PipelineConfig, RewardServerConfig
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import ASSISTANT, HUMAN, load_pairs, raw_pairs_frame, write_jsonl
 
 COUNTS: Counter = Counter()  # (target, outcome) → inputs
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import model_loading
-from stages.config import ConfigError
-from stages.config_loading import load_config, upgrade_recorded
-from stages.launch import Dist
-from stages.logprobs import token_logprobs
-from stages.sft import response_nll
-from stages.rendering import collate
+from stages.compute import model_loading
+from stages.leaves.config import ConfigError
+from stages.leaves.logprobs import token_logprobs
+from stages.leaves.rendering import collate
+from stages.orchestration.config_loading import load_config, upgrade_recorded
+from stages.orchestration.launch import Dist
+from stages.pipeline.sft import response_nll
 
 SWITCHES = ("model.fast_path=off",)  # transformers' forward both ways: the switch alone differs
 

@@ -21,10 +21,10 @@ import pytest
 
 from conftest import HUB_MIRROR
 from hub_standin import HubStandIn
-from stages import lineage
-from stages.config_loading import load_config
-from stages.data import load_pairs, make_splits, splits_digest
-from stages.loading import DataError, locate, split_patterns
+from stages.compute.loading import DataError, locate, split_patterns
+from stages.orchestration import lineage
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import load_pairs, make_splits, splits_digest
 
 HH_PATH = "harmless-base/test.jsonl.gz"
 CEVAL_SUBJECTS = ["law", "physician"]
@@ -101,9 +101,9 @@ def test_the_demo_data_stage_downloads_from_the_hub_then_reads_its_cache_offline
 
 CEVAL_PROBE = """
 import json
-from stages.config_loading import load_config
-from stages.evaluate import ceval
-from stages.loading import DataError
+from stages.compute.evaluate import ceval
+from stages.compute.loading import DataError
+from stages.orchestration.config_loading import load_config
 cfg = load_config("demo").data
 try:
     val, dev = ceval.load(cfg, {subjects})
@@ -127,7 +127,7 @@ def _ceval(env: dict[str, str], subjects: list[str]) -> dict:
 def test_c_eval_downloads_only_its_subjects_then_reads_them_offline(hub, tmp_path):
     """The stand-in here is the module's: the HH test may have stopped it, so a new one serves
     the same copy (the same commit)."""
-    from stages.evaluate import ceval  # deferred: torch, for this test only
+    from stages.compute.evaluate import ceval  # deferred: torch, for this test only
 
     val, dev = ceval.load(load_config("demo").data, CEVAL_SUBJECTS)  # from the mirror (the session's RLHF_DATA_DIR)
     expected = {"val": {s: [q.__dict__ for q in qs] for s, qs in val.items()},

@@ -1,6 +1,7 @@
-"""The import rule (pyproject.toml [tool.importlinter]): imports go down the layers, flows → stage
-modules → what stages run on → running and recording stages → shared rooms → leaf modules, and
-no modules import one another in a circle. import-linter checks the layers, grimp the circles."""
+"""The import rule (pyproject.toml [tool.importlinter]): imports go down the layers, one folder of
+stages/ each: flows → data contracts → stage modules → what stages run on → running and recording
+stages → what the stages compute with → leaf modules; no leaf imports another, and no modules
+import one another in a circle. import-linter checks the layers, grimp the circles."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-from stages.config import REPO_ROOT
+from stages.leaves.config import REPO_ROOT
 
 PACKAGES = ("flows", "stages", "data_contracts")
 CONTRACTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
@@ -37,22 +38,24 @@ def test_imports_go_down_the_layers():
 
 @pytest.mark.parametrize(("module", "planted", "broken"), [
     # a leaf module reaching up into the stage table it parameterises
-    ("stages/config.py", "from stages import registry", "stages.config is not allowed to import stages.registry"),
+    ("stages/leaves/config.py", "from stages.orchestration import registry", "stages.leaves.config -> stages.orchestration.registry"),
     # a shared room reaching up into a stage module
-    ("stages/training.py", "from stages.sft import run", "stages.training is not allowed to import stages.sft"),
-    # a stage module reaching for the launcher instead of taking its Dist from stages.dist
-    ("stages/sft.py", "from stages.launch import Dist", "stages.sft is not allowed to import stages.launch"),
-    ("stages/lifecycle.py", "from stages.launch import Dist", "stages.lifecycle is not allowed to import stages.launch"),
+    ("stages/compute/training.py", "from stages.pipeline.sft import run", "stages.compute.training -> stages.pipeline.sft"),
+    # a stage module reaching for the launcher instead of taking its Dist from stages.leaves.dist
+    ("stages/pipeline/sft.py", "from stages.orchestration.launch import Dist", "stages.pipeline.sft -> stages.orchestration.launch"),
+    ("stages/runtime/lifecycle.py", "from stages.orchestration.launch import Dist", "stages.runtime.lifecycle -> stages.orchestration.launch"),
     # a stage module reaching into another stage module for what they share
-    ("stages/critic.py", "from stages.reward.stage import encode_pairs",
-     "stages.critic is not allowed to import stages.reward.stage"),
-    ("stages/best_of_n.py", "from stages.ppo.stage import encode_prompts",
-     "stages.best_of_n is not allowed to import stages.ppo.stage"),
-    # the reward server reaching into the data stage for what stages.rendering holds
-    ("stages/reward/serve.py", "from stages.data import read_jsonl",
-     "stages.reward.serve is not allowed to import stages.data"),
+    ("stages/pipeline/critic.py", "from stages.pipeline.reward import encode_pairs",
+     "stages.pipeline.critic -> stages.pipeline.reward"),
+    ("stages/pipeline/best_of_n.py", "from stages.pipeline.ppo import encode_prompts",
+     "stages.pipeline.best_of_n -> stages.pipeline.ppo"),
+    # the reward server reaching into the data stage for what stages.leaves.rendering holds
+    ("stages/compute/reward/serve.py", "from stages.pipeline.data import read_jsonl",
+     "stages.compute.reward.serve -> stages.pipeline.data"),
     # a leaf, the same
-    ("stages/rendering.py", "from stages.data import SPLITS", "stages.rendering is not allowed to import stages.data"),
+    ("stages/leaves/rendering.py", "from stages.pipeline.data import SPLITS", "stages.leaves.rendering -> stages.pipeline.data"),
+    # a leaf reaching for another leaf
+    ("stages/leaves/stats.py", "from stages.leaves import config", "stages.leaves.stats -> stages.leaves.config"),
 ])
 def test_a_planted_import_breaks_the_rule(tmp_path, module, planted, broken):
     for package in PACKAGES:
@@ -113,15 +116,15 @@ def test_a_function_local_import_says_why_it_is_deferred():
 
 
 def test_every_module_has_a_layer(monkeypatch):
-    """A new module goes into a layer of the contract; only the packages that hold modules of
-    several layers stand outside them."""
+    """A new module goes into a layer of the contract: a folder of stages/ is one layer, and only
+    the package that holds the layers stands outside them."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     contract = _contract(type="layers")
     layers = {name.strip().strip("()") for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
     graph = grimp.build_graph(*PACKAGES, cache_dir=None)
     outside = {module for module in graph.modules
                if not any(module == layer or module.startswith(f"{layer}.") for layer in layers)}
-    assert outside == {"stages", "stages.evaluate", "stages.ppo", "stages.reward"}
+    assert outside == {"stages"}
 
 
 def _contract(**fields: object) -> dict:
@@ -131,16 +134,15 @@ def _contract(**fields: object) -> dict:
 
 
 # What reads the data stage's splits: the flows, the stage modules and their contracts.
-DATA_STAGE_READERS = ("flows", "data_contracts", "stages.sft", "stages.reward.stage", "stages.ppo.stage",
-                      "stages.critic", "stages.evaluate.stage", "stages.best_of_n")
+DATA_STAGE_READERS = ("flows", "data_contracts", "stages.pipeline")
 
 
 def test_every_other_module_is_kept_from_the_data_stage(monkeypatch):
     """A new module that is not a stage, a contract or a flow is a source module of the forbidden
-    contract: it renders and encodes text with stages.rendering, not the data stage."""
+    contract: it renders and encodes text with stages.leaves.rendering, not the data stage."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
-    sources = _contract(forbidden_modules=["stages.data"])["source_modules"]
+    sources = _contract(forbidden_modules=["stages.pipeline.data"])["source_modules"]
     graph = grimp.build_graph(*PACKAGES, cache_dir=None)
     unguarded = {module for module in graph.modules
                  if not any(module == name or module.startswith(f"{name}.") for name in (*sources, *DATA_STAGE_READERS))}
-    assert unguarded == {"stages", "stages.data", "stages.evaluate", "stages.ppo", "stages.reward"}
+    assert unguarded == {"stages"}

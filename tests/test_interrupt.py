@@ -21,8 +21,8 @@ import psutil
 import pytest
 from pipeline_helpers import TRL_NAMES, stage_run
 
-from stages import lineage, tracking
-from stages.tags import FLOW_RUN_TAG
+from stages.leaves.tags import FLOW_RUN_TAG
+from stages.orchestration import lineage, tracking
 
 
 class Command:

@@ -1,6 +1,6 @@
 """The house's layout: a function in flows/ or stages/ fits one reading (80 lines at most, its
 decorators, signature and docstring included); a longer one is several steps to name apart. The
-tag names written on MLflow runs stand in one place, stages/tags.py."""
+tag names written on MLflow runs stand in one place, stages/leaves/tags.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from stages.config import REPO_ROOT
+from stages.leaves.config import REPO_ROOT
 
 MOST_LINES = 80
 
@@ -43,11 +43,11 @@ TAG_NAME = re.compile(r"rlhf\.[a-z_]+")
 
 def tag_literals(root: Path, packages=("flows", "stages", "data_contracts")) -> list[str]:
     """`path:line 'text'` for each string in code (not a docstring) that starts with a tag name,
-    outside stages/tags.py."""
+    outside stages/leaves/tags.py."""
     found = []
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
-            if path.relative_to(root) == Path("stages/tags.py"):
+            if path.relative_to(root) == Path("stages/leaves/tags.py"):
                 continue
             tree = ast.parse(path.read_text())
             docstrings = {id(node.body[0].value) for node in ast.walk(tree)

@@ -1,4 +1,4 @@
-"""The training-stage lifecycle (stages/lifecycle.py) on a toy training stage that only this module
+"""The training-stage lifecycle (stages/runtime/lifecycle.py) on a toy training stage that only this module
 defines: SIGKILLed mid-run in a process of its own, then resumed from its checkpoint in the same
 MLflow run, it logs every step exactly once (the real MLflow store), with an uninterrupted run's
 numbers, its non-finite guard's count carried over, and its checkpoints gone at the end. A failure
@@ -22,13 +22,16 @@ import torch
 
 from pipeline_helpers import MlflowServer
 
-from stages import allocator, checkpoint, lifecycle, lineage, precision, registry, run_writers, tracking, tracking_queue
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages.launch import execute
-from stages.nonfinite import NonFiniteGuard
-from stages.registry import Stage
-from stages.training import adamw, cosine_with_warmup, make_engine
+from stages.compute import checkpoint
+from stages.compute.nonfinite import NonFiniteGuard
+from stages.compute.training import adamw, cosine_with_warmup, make_engine
+from stages.leaves import allocator, precision
+from stages.leaves.dist import Dist
+from stages.orchestration import lineage, registry, run_writers, tracking, tracking_queue
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
+from stages.orchestration.registry import Stage
+from stages.runtime import lifecycle
 
 TOY = Stage("toy", "test_lifecycle", config=("data",), outputs=("toy_probe",), resumes=True, gpu=False,
             deployed=False)

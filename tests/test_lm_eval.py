@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pipeline_helpers import stage_run
-from stages import lineage, tracking
-from stages.config import ConfigError, EvalConfig
-from stages.config_loading import load_config
-from stages.evaluate import harness
+from stages.compute.evaluate import harness
+from stages.leaves.config import ConfigError, EvalConfig
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 TASK = "rlhf_tiny_mc"
 QUESTIONS = [
@@ -111,7 +111,7 @@ def _choice_logprobs(model, tokenizer, context: str, continuation: str) -> float
 def test_accuracy_matches_our_own_scoring_of_each_model(evaluated, full_run):
     """Each model's per-choice log-likelihoods and accuracy, as lm-eval logged them, equal our own
     forward pass of that model (the SFT and the policy give different numbers: a swap fails)."""
-    from stages.model_loading import frozen_lm
+    from stages.compute.model_loading import frozen_lm
 
     run = stage_run(evaluated, "eval")
     report = tracking.download(f"runs:/{run.info.run_id}/report")

@@ -1,4 +1,4 @@
-"""stages.logprobs: log π(a | s) and H(π(· | s)) in chunks of rows, with their own backward,
+"""stages.leaves.logprobs: log π(a | s) and H(π(· | s)) in chunks of rows, with their own backward,
 against the whole-matrix formulas under autograd."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import logprobs as chunked
-from stages.logprobs import logprobs_and_entropy, token_logprobs
+from stages.leaves import logprobs as chunked
+from stages.leaves.logprobs import logprobs_and_entropy, token_logprobs
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # each device has its own chunk size
 

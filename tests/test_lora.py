@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages import model_loading
-from stages.config_loading import load_config
-from stages.launch import Dist
-from stages.loading import load_model
-from stages.ppo.experience import response_logits
-from stages.sft import response_nll
-from stages.rendering import collate
-from stages.training import adamw, linear_warmup, make_engine, trained_model
+from stages.compute import model_loading
+from stages.compute.loading import load_model
+from stages.compute.ppo.experience import response_logits
+from stages.compute.training import adamw, linear_warmup, make_engine, trained_model
+from stages.leaves.rendering import collate
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import Dist
+from stages.pipeline.sft import response_nll
 
 LORA = ("model.lora.rank=4", "model.fast_path=off")
 
@@ -126,7 +126,7 @@ def test_a_lora_pipeline_registers_plain_transformers_models(prefect_server, tmp
     import mlflow.transformers
 
     from flows.rlhf import rlhf
-    from stages import tracking
+    from stages.orchestration import tracking
 
     rlhf(preset="tiny", overrides={"model.lora.rank": 4, "sft.lr": 1e-3, "reward.lr": 1e-3, "sft.max_steps": 8,
                                    "reward.max_steps": 8, "critic.max_steps": 4, "ppo.iterations": 2})

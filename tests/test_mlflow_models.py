@@ -1,4 +1,4 @@
-"""The registered models are MLflow models (stages/mlflow_models.py, stages/mlflow_chat.py,
+"""The registered models are MLflow models (stages/compute/mlflow_models.py, stages/mlflow_chat.py,
 stages/reward/pyfunc.py): on the tiny pipeline's versions, MLflow's own loaders give a text-generation
 pipeline (SFT, policy) and a scorer (reward model, critic) that answer as the project's code does,
 and `mlflow models serve` answers a chat request with the policy over HTTP on loopback as the eval
@@ -21,12 +21,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import lineage, loading, tracking
-from stages.config import REPO_ROOT
-from stages.config_loading import load_config
-from stages.data import read_jsonl
-from stages.rendering import HH_CHAT_TEMPLATE, dialogue_text, render_prompt
-from stages.launch import free_port
+from stages.compute import loading
+from stages.leaves.config import REPO_ROOT
+from stages.leaves.rendering import HH_CHAT_TEMPLATE, dialogue_text, render_prompt
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import free_port
+from stages.pipeline.data import read_jsonl
 
 ALIAS = "mlflow-test"  # not @champion: the eval stage decides that one
 MESSAGES = [{"role": "user", "content": "How do I bake bread?"}, {"role": "assistant", "content": "With flour."},
@@ -59,7 +60,7 @@ def _greedy(folder: Path, messages: list[dict], new_tokens: int, repetition_pena
 
 def _eval_stage_answer(folder, tokenizer, cfg) -> str:
     """The eval stage's answer to MESSAGES under cfg.eval.generation (its own sampling loop)."""
-    from stages.evaluate.stage import respond
+    from stages.pipeline.evaluate import respond
 
     model = loading.load_model(str(folder), cfg.model).eval()
     (answer,), _ = respond(model, tokenizer, [{"messages": MESSAGES}], cfg, "cpu")
@@ -111,7 +112,7 @@ def test_sft_and_policy_load_as_transformers_pipelines(full_run, mlflow_env):
 def test_reward_model_and_critic_load_as_pyfuncs_scoring_as_serve_reward_does(full_run, mlflow_env, kind):
     import mlflow.pyfunc
 
-    from stages.reward.serve import RewardScorer
+    from stages.compute.reward.serve import RewardScorer
 
     outputs = lineage.outputs_of(full_run)
     cfg = load_config("tiny")
@@ -191,7 +192,7 @@ def test_a_chat_models_pyfunc_penalises_repetition_as_the_eval_stage_does(tiny, 
     import mlflow.transformers
     from mlflow.models import Model
 
-    from stages.mlflow_models import chat
+    from stages.compute.mlflow_models import chat
 
     folder, tokenizer, _ = tiny
     cfg = load_config("tiny", ["eval.generation.do_sample=false", "eval.generation.repetition_penalty=2.0",
@@ -224,7 +225,7 @@ def test_a_chat_model_samples_as_the_eval_stage_did(full_run):
 
 def test_a_version_registered_as_a_bare_folder_still_reads_as_that_folder(tmp_path):
     """Versions registered before models were MLflow models point at the Hugging Face folder itself."""
-    from stages.mlflow_models import hf_folder
+    from stages.compute.mlflow_models import hf_folder
 
     (tmp_path / "config.json").write_text("{}")
     assert hf_folder(tmp_path) == tmp_path

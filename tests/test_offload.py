@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import lineage, run_writers, tracking
-from stages.config import ConfigError, LaunchConfig
-from stages.config_loading import load_config
-from stages.launch import execute, resolve_deepspeed_config
+from stages.leaves.config import ConfigError, LaunchConfig
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute, resolve_deepspeed_config
 
 RANKS = ["sft.launch.world_size=2", "sft.max_steps=2", "sft.epochs=1", "sft.probe_prompts=2",
          "sft.heldout_prompts=8", "sft.lr=1e-3"]

@@ -13,11 +13,11 @@ from prefect.states import Failed
 
 from flows import services
 from flows.rlhf import deployments, retry_on_infrastructure_errors, stage_cache_key
-from stages import registry
-from stages.config import REPO_ROOT, ConfigError, LaunchConfig
-from stages.config_loading import load_config
-from stages.launch import StageLaunchError, rank_command
-from stages.loading import DataError
+from stages.compute.loading import DataError
+from stages.leaves.config import REPO_ROOT, ConfigError, LaunchConfig
+from stages.orchestration import registry
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import StageLaunchError, rank_command
 
 INPUTS = {"splits": "runs:/d/splits", "sft_model": "models:/rlhf-tiny-sft/1", "reward_model": "models:/rlhf-tiny-reward/1",
           "critic_model": "models:/rlhf-tiny-critic/1", "data_run": "d", "sft_run": "s"}
@@ -52,7 +52,7 @@ def test_only_infrastructure_failures_are_retried():
 
 
 def test_prefect_yaml_defines_the_served_deployments_on_a_cpu_and_a_gpu_pool():
-    """infra/prefect.yaml declares exactly the registry's deployments (stages/registry.py)."""
+    """infra/prefect.yaml declares exactly the registry's deployments (stages/orchestration/registry.py)."""
     declared = {d["name"]: d for d in yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())["deployments"]}
     served = {d.name: d.parameters for d in deployments("demo")}
     assert set(declared) == set(served) == {"full"} | {s.name for s in registry.STAGES.values() if s.deployed}
@@ -70,7 +70,7 @@ def test_prefect_yaml_defines_the_served_deployments_on_a_cpu_and_a_gpu_pool():
 def test_a_hostfile_starts_the_ranks_through_the_deepspeed_launcher(tmp_path):
     spec = tmp_path / "launch.json"
     cmd, local = rank_command("ppo", LaunchConfig(world_size=16, deepspeed="zero3", hostfile="hostfile.example"), spec)
-    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and cmd[-4:] == ["--no_local_rank", "--module", "stages.launch", str(spec)]
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"] and cmd[-4:] == ["--no_local_rank", "--module", "stages.orchestration.launch", str(spec)]
     assert "--no_ssh_check" not in cmd and local == 8  # two hosts: ssh, 8 ranks here
     cmd, local = rank_command("sft", LaunchConfig(world_size=2, deepspeed="zero2", hostfile="hostfile.local"), spec)
     assert "--no_ssh_check" in cmd and "--master_addr=127.0.0.1" in cmd and local == 2

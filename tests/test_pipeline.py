@@ -6,9 +6,10 @@ import subprocess
 
 import pytest
 
-from stages import lineage, precision, tracking
-from stages.config import REPO_ROOT
-from stages.config_loading import load_config
+from stages.leaves import precision
+from stages.leaves.config import REPO_ROOT
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import plan
-from stages.config_loading import load_config
-from stages.plan import Role, Sharding, model_states
+from stages.orchestration import plan
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.plan import Role, Sharding, model_states
 
 LLAMA_7B = plan.read_architecture(load_config("tiny").model, "llama-2-7b")
 
@@ -123,7 +123,7 @@ def test_the_zero_stage_comes_from_the_deepspeed_config():
 
 def test_ranks_without_a_deepspeed_config_are_planned_on_the_zero2_they_run():
     """Two ranks with `launch.deepspeed` unset run DeepSpeed's zero2 config
-    (stages.launch.resolve_deepspeed_config), not the plain engine; one rank runs in process."""
+    (stages.orchestration.launch.resolve_deepspeed_config), not the plain engine; one rank runs in process."""
     cfg = load_config("tiny", ["ppo.launch.world_size=2"])
     assert plan.stage_sharding(cfg, "ppo") == Sharding(world_size=2, zero=2)
     assert plan.stage_sharding(cfg, "sft") == Sharding()
@@ -182,7 +182,7 @@ def test_the_attention_scores_counted_are_what_the_explicit_products_keep_for_ba
     layer."""
     import torch
 
-    from stages.models.llama import explicit_attention
+    from stages.compute.models.llama import explicit_attention
 
     arch = plan.read_architecture(load_config("tiny").model)
     rows, length = 4, 32
@@ -210,11 +210,11 @@ def tiny_cpu_rollout(*overrides: str) -> int:
 
 def tiny_decoder_linears(cfg, dtype=None):
     """A real fast decoder on the tiny preset's model shape (in `dtype`), sampling
-    `ppo.rollout_batch_size` rows: its linear layers (stages/models/llama.py PackedLinear)."""
+    `ppo.rollout_batch_size` rows: its linear layers (stages/compute/models/llama.py PackedLinear)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.models import llama
+    from stages.compute.models import llama
 
     arch = plan.read_architecture(cfg.model)
     init = cfg.model.random_init
@@ -230,13 +230,13 @@ def tiny_decoder_linears(cfg, dtype=None):
 
 
 def test_a_cpu_fp32_rollout_counts_the_decoders_mkl_packed_weights(monkeypatch):
-    """The fast decoder packs the actor's weights for MKL (stages/models/llama.py PackedLinear): a copy
+    """The fast decoder packs the actor's weights for MKL (stages/compute/models/llama.py PackedLinear): a copy
     padded to 5.6 MB a matrix at least, held while it samples. The plan's rollout counts exactly the
     bytes a real decoder on the tiny model holds, on CPU in fp32 only (on an Intel CPU: packing is
     Intel-only, so the CPU is read as one here)."""
     import torch
 
-    from stages.models import llama
+    from stages.compute.models import llama
 
     if not torch.backends.mkl.is_available():
         pytest.skip("a torch build without MKL packs nothing")
@@ -277,8 +277,8 @@ def test_the_decoder_packs_weights_for_mkl_on_intel_cpus_only_and_the_plan_count
     rollout holds the packed bytes exactly where the decoder packs."""
     import torch
 
-    from stages.models import llama
-    from stages.precision import cpu_vendor
+    from stages.compute.models import llama
+    from stages.leaves.precision import cpu_vendor
 
     if not torch.backends.mkl.is_available():
         pytest.skip("a torch build without MKL packs nothing")
@@ -310,7 +310,7 @@ def test_the_presets_fit_a_24_gib_machine_and_a_7b_plan_needs_zero3_on_80_gib_gp
 
 def test_run_refuses_a_config_that_does_not_fit_before_any_mlflow_run_and_ignore_plan_goes_on(capsys, hh_file):
     from flows.cli import main
-    from stages import tracking
+    from stages.orchestration import tracking
 
     experiment = "plan-refusal"
     args = ["run", "--preset", "tiny", "--stages", "data,sft", "--set", f"experiment={experiment}",

@@ -22,11 +22,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import lineage, loading, run_writers, tracking
-from stages.config_loading import load_config
-from stages.data import corpus_texts
-from stages.launch import execute
-from stages.reward.model import reward_model_from_lm, save_reward_model
+from stages.compute import loading
+from stages.compute.reward.model import reward_model_from_lm, save_reward_model
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
+from stages.pipeline.data import corpus_texts
 
 RANK_PROMPTS = 8
 # No EOS penalty: every response lacks EOS, and a constant penalty score would leave the reward

@@ -1,4 +1,4 @@
-"""The fast paths (stages/models, `model.fast_path: auto`) compute what the plain path (`off`,
+"""The fast paths (stages/compute/models, `model.fast_path: auto`) compute what the plain path (`off`,
 each model's own transformers forward) does; log π_old taken from the sampling loop equals a full
 forward's."""
 
@@ -9,14 +9,14 @@ import torch
 from ppo_helpers import greedy_one_minibatch_trainer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages import models
-from stages.config_loading import load_config
-from stages.models import CachedDecoder, last_hidden_state, set_fast_path
-from stages.models.llama import Decoder as LlamaDecoder
-from stages.ppo.experience import response_logits
-from stages.ppo.generation import generate, left_pad
-from stages.logprobs import token_logprobs
-from stages.loading import load_model
+from stages.compute import models
+from stages.compute.loading import load_model
+from stages.compute.models import CachedDecoder, last_hidden_state, set_fast_path
+from stages.compute.models.llama import Decoder as LlamaDecoder
+from stages.compute.ppo.experience import response_logits
+from stages.compute.ppo.generation import generate, left_pad
+from stages.leaves.logprobs import token_logprobs
+from stages.orchestration.config_loading import load_config
 
 
 def small_llama(fast_path: str = "auto", **extra) -> LlamaForCausalLM:
@@ -139,7 +139,7 @@ def test_our_llama_decode_steps_give_transformers_logits(extra):
 def test_bf16_decode_steps_on_onednn_packed_weights_give_the_plain_products_logits(monkeypatch):
     """In bf16 the decoder packs its weights in oneDNN's blocked layout (`llama.PackedLinear`);
     its logits must be those of the same decoder on the plain weights."""
-    from stages.models import llama
+    from stages.compute.models import llama
 
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         pytest.skip("this CPU or torch build has no oneDNN bf16: nothing is packed")
@@ -224,7 +224,7 @@ def test_generation_stops_when_every_row_has_ended_and_masks_after_eos():
 
 
 def test_inverse_cdf_sampling_draws_from_the_distribution():
-    from stages.ppo.generation import next_tokens
+    from stages.compute.ppo.generation import next_tokens
 
     torch.manual_seed(0)
     logits = torch.randn(3, 20) * 2
@@ -256,7 +256,7 @@ def test_the_explicit_and_expanded_attention_equal_sdpa_over_grouped_query_heads
     """The forms of `llama.attention` that the padding-free forward uses in bf16 on a CPU under
     autograd (explicit products) and on a GPU (keys and values expanded to every query head, no
     cuDNN), against SDPA's grouped-query form: output and gradients, with a padded causal mask."""
-    from stages.models.llama import expanded_attention, explicit_attention
+    from stages.compute.models.llama import expanded_attention, explicit_attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
@@ -276,7 +276,7 @@ def test_the_explicit_and_expanded_attention_equal_sdpa_over_grouped_query_heads
 def test_the_explicit_attention_keeps_no_copy_of_its_scores_for_the_backward():
     """The mask goes onto the scores in place; through a view of them autograd records CopySlices,
     whose backward copies and zero-fills the whole [batch, heads, queries, keys] tensor."""
-    from stages.models.llama import explicit_attention
+    from stages.compute.models.llama import explicit_attention
 
     q = torch.randn(2, 4, 6, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(2))
@@ -293,7 +293,7 @@ def test_the_explicit_attention_keeps_no_copy_of_its_scores_for_the_backward():
 def test_the_explicit_attentions_mask_made_once_serves_every_layer_and_the_shorter_last_one():
     """A forward's layers share one expanded mask; its last layer, with the queries of
     from_position on only, gets its own."""
-    from stages.models.llama import explicit_attention
+    from stages.compute.models.llama import explicit_attention
 
     torch.manual_seed(1)
     allowed = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()

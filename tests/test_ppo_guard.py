@@ -1,4 +1,4 @@
-"""The live collapse guard (stages/ppo/collapse_guard.py) on a real PPO trainer (tiny model, rule reward)
+"""The live collapse guard (stages/runtime/collapse_guard.py) on a real PPO trainer (tiny model, rule reward)
 and the real policy contract: a pass saves the passing point, a breach stops, rolls back (weights
 of the last pass, actor lr scaled, progress kept) or warns. Its state is part of PPO's lifecycle
 checkpoint: killed and resumed (the real lifecycle and MLflow store), a run makes each decision
@@ -12,17 +12,18 @@ import torch
 from ppo_helpers import RULE, make_trainer
 
 from data_contracts.gate import validate
-from stages import lifecycle, run_writers
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages.ppo.collapse_guard import CollapseGuard
-from stages.ppo.stage import PPOTraining
+from stages.leaves.dist import Dist
+from stages.orchestration import run_writers
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.ppo import PPOTraining
+from stages.runtime import lifecycle
+from stages.runtime.collapse_guard import CollapseGuard
 
 BANDS = ["contracts.policy.max_kl=1.0"]  # a held-out mean KL to SFT above 1 nat is a breach
 
 
 def evaluation(kl: float, rows: int = 8) -> pd.DataFrame:
-    """A held-out evaluation's frame, as stages.ppo.stage.evaluate returns it."""
+    """A held-out evaluation's frame, as stages.pipeline.ppo.evaluate returns it."""
     return pd.DataFrame({"row": range(rows), "response_tokens": [10] * rows, "ended_with_eos": [True] * rows,
                          "kl": [kl] * rows, "perplexity": [5.0] * rows, "score": [0.1] * rows,
                          "distinct_2": [1.0] * rows})

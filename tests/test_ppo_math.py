@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ppo_helpers import token_mean_minibatch
 
-from stages import registry
-from stages.config import ConfigError, PPOConfig
-from stages.config_loading import load_config
-from stages.losses import kl_estimate, kl_loss, policy_loss, value_loss
-from stages.ppo.advantages import gae
-from stages.tensors import masked_whiten
-from stages.logprobs import logprobs_and_entropy
-from stages.ppo.reward_shaping import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
+from stages.compute.losses import kl_estimate, kl_loss, policy_loss, value_loss
+from stages.compute.ppo.advantages import gae
+from stages.compute.ppo.reward_shaping import RunningMoments, eos_penalty_scores, reparameterise_scores, shape_scores, token_rewards
+from stages.leaves.config import ConfigError, PPOConfig
+from stages.leaves.logprobs import logprobs_and_entropy
+from stages.leaves.tensors import masked_whiten
+from stages.orchestration import registry
+from stages.orchestration.config_loading import load_config
 
 
 def gae_reference(rewards, values, gamma, lam):
@@ -252,7 +252,7 @@ def test_whitening_and_entropy():
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])  # clips; does not clip
 def test_the_joint_clip_gives_torchs_clipped_gradients_over_both_engines(max_norm):
-    from stages.training import clip_grad_norm, PlainEngine
+    from stages.compute.training import clip_grad_norm, PlainEngine
 
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
@@ -273,8 +273,8 @@ def test_the_joint_clip_gives_torchs_clipped_gradients_over_both_engines(max_nor
 
 # -- advantage estimators and policy losses, through their registries ----------------------------
 def _estimate(name, rewards, mask, groups, values=None, all_reduce_sum=None, **ppo):
-    from stages.config import PPOConfig
-    from stages.ppo.advantages import AdvantageInputs, advantage_estimator
+    from stages.leaves.config import PPOConfig
+    from stages.compute.ppo.advantages import AdvantageInputs, advantage_estimator
 
     values = None if values is None else torch.tensor(values)
     inputs = AdvantageInputs(torch.tensor(rewards), torch.tensor(mask), values, torch.tensor(groups), PPOConfig(**ppo),
@@ -341,8 +341,8 @@ def test_gae_through_the_registry_is_gae():
 
 
 def test_registry_entries_say_which_estimators_need_a_critic():
-    from stages.config import PPOConfig
-    from stages.ppo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+    from stages.leaves.config import PPOConfig
+    from stages.compute.ppo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
 
     assert {name: e.needs_critic for name, e in ADVANTAGE_ESTIMATORS.items()} == {
         "gae": True, "grpo": False, "rloo": False, "reinforce++": False}
@@ -351,8 +351,8 @@ def test_registry_entries_say_which_estimators_need_a_critic():
 
 
 def test_ppo_clip_through_the_registry_is_the_clipped_surrogate():
-    from stages.config import PPOConfig
-    from stages.losses import registered_policy_loss
+    from stages.leaves.config import PPOConfig
+    from stages.compute.losses import registered_policy_loss
 
     # The hand-computed case of test_policy_loss_hand_computed: ρ = [1.5, 0.5], A = 1, ε = 0.2 → −0.85
     loss, stats = registered_policy_loss("ppo_clip")(torch.log(torch.tensor([[1.5, 0.5]])), torch.zeros(1, 2),
@@ -364,7 +364,7 @@ def test_ppo_clip_through_the_registry_is_the_clipped_surrogate():
 def test_the_policy_loss_aggregates_by_token_or_by_sequence(loss_agg, expected):
     """ρ = 1, so the clipped surrogate is A itself. Row 0 has 3 response tokens (A = 1, 2, 3), row 1
     one (A = 4): token_mean −(1 + 2 + 3 + 4) / 4 = −2.5; seq_mean −((1 + 2 + 3) / 3 + 4) / 2 = −3.0."""
-    from stages.losses import registered_policy_loss
+    from stages.compute.losses import registered_policy_loss
 
     advantages = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -380,7 +380,7 @@ def test_the_policy_loss_aggregates_by_token_or_by_sequence(loss_agg, expected):
 
 
 def test_token_and_sequence_means_agree_when_every_response_has_the_same_length():
-    from stages.losses import aggregate
+    from stages.compute.losses import aggregate
 
     per_token, mask = torch.randn(4, 5), torch.ones(4, 5)
     mask[:, 3:] = 0
@@ -396,7 +396,7 @@ def test_token_and_sequence_means_agree_when_every_response_has_the_same_length(
 def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
     """One function and the decorator, in this test: `ppo.advantage_estimator=<its name>` passes the
     PPO stage's check."""
-    from stages.ppo import advantages
+    from stages.compute.ppo import advantages
 
     monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))  # undone after
 
@@ -418,9 +418,9 @@ def test_a_toy_estimator_registered_here_is_a_config_choice(monkeypatch):
 # gradient averaged over the ranks as DeepSpeed averages it.
 TOKEN_MEAN_RANK = """
 import json, sys, torch
-from stages.config import PPOConfig
-from stages.dist import Dist
-from stages.losses import registered_policy_loss, token_mean_share
+from stages.compute.losses import registered_policy_loss, token_mean_share
+from stages.leaves.config import PPOConfig
+from stages.leaves.dist import Dist
 sys.path.insert(0, "tests")
 from ppo_helpers import token_mean_minibatch
 rank, port = int(sys.argv[1]), sys.argv[2]
@@ -444,8 +444,8 @@ def test_token_mean_is_over_the_global_minibatch_on_ranks_with_unequal_token_cou
     ranks average, and the mean of their losses, are the single process's token mean over all 14
     tokens (a mean of the two per-rank means would weigh each of rank 1's tokens 11/3 times as
     much as one of rank 0's)."""
-    from stages.launch import free_port
-    from stages.losses import registered_policy_loss
+    from stages.orchestration.launch import free_port
+    from stages.compute.losses import registered_policy_loss
 
     theta, tokens, old, advantages, mask = token_mean_minibatch()
     loss, _ = registered_policy_loss("ppo_clip")(torch.log_softmax(theta, -1)[tokens], old, advantages, mask,

@@ -12,11 +12,11 @@ import pytest
 import torch
 from pipeline_helpers import TRL_NAMES, stage_run, version_tags
 
-from stages import lineage, run_writers, tracking
-from stages.config import rlhf_home
-from stages.config_loading import load_config
-from stages.data import read_jsonl
-from stages.launch import execute
+from stages.leaves.config import rlhf_home
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
+from stages.pipeline.data import read_jsonl
 
 
 def test_full_pipeline_registers_critic_and_policy_with_lineage(full_run):
@@ -64,7 +64,7 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     """The parent run holds each stage's headline numbers (MLflow's run list and compare view show
     them), each stage's name once in a metric's name, under a run name that says what ran; the
     run's ending is a line per stage and a verdict, and its MLflow description holds both."""
-    from stages import runs
+    from stages.orchestration import runs
 
     client = tracking.client()
     parent = client.get_run(full_run)
@@ -124,7 +124,7 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
 def test_compare_lists_the_eval_stages_judges_with_their_intervals(full_run, tmp_path):
     """`rlhf compare`: the eval stage's headline patterns hold wildcards (a row per judge), each
     net win printed with its confidence interval."""
-    from stages import runs
+    from stages.orchestration import runs
 
     table = runs.compare(full_run, full_run, tmp_path / "compare.png")
     number = r"[-+\d.e]+"

@@ -8,15 +8,15 @@ import pytest
 import torch
 from ppo_helpers import make_trainer
 
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages import checkpoint
-from stages.ppo.experience import response_logits
-from stages.logprobs import token_logprobs
-from stages.ppo.trainer import warmup_steps
-from stages.reward.model import RewardModel
-from stages.loading import load_model
-from stages.tensors import masked_mean
+from stages.compute import checkpoint
+from stages.compute.loading import load_model
+from stages.compute.ppo.experience import response_logits
+from stages.compute.ppo.trainer import warmup_steps
+from stages.compute.reward.model import RewardModel
+from stages.leaves.dist import Dist
+from stages.leaves.logprobs import token_logprobs
+from stages.leaves.tensors import masked_mean
+from stages.orchestration.config_loading import load_config
 
 
 @pytest.mark.parametrize("preset", ["ppo-max", "vanilla"])
@@ -169,8 +169,8 @@ def test_checkpoint_restores_real_cuda_sampling(tmp_path):
 def test_ptx_data_reads_a_separate_text_dataset(tiny, tmp_path):
     """PPO-ptx on pretraining-style text (eq. 17) when `ppo.ptx_data` names a file: every token a
     target; a row without text is a DataError naming file and row. Default: the SFT split."""
-    from stages.ppo.stage import ptx_examples
-    from stages.loading import DataError
+    from stages.pipeline.ppo import ptx_examples
+    from stages.compute.loading import DataError
 
     _, tokenizer, _ = tiny
     corpus = tmp_path / "corpus.jsonl"
@@ -185,7 +185,7 @@ def test_ptx_data_reads_a_separate_text_dataset(tiny, tmp_path):
         ptx_examples(cfg, tokenizer, tmp_path)
 
 
-# -- critic-free advantage estimators (stages/ppo/advantages.py) ---------------------------------
+# -- critic-free advantage estimators (stages/compute/ppo/advantages.py) ---------------------------------
 @pytest.mark.parametrize("estimator, k", [("grpo", 4), ("rloo", 4), ("reinforce++", 1)])
 def test_a_critic_free_estimator_raises_a_rule_reward_without_a_critic(tiny, tmp_path, estimator, k):
     trainer = make_trainer(tiny, f"ppo.advantage_estimator={estimator}", f"ppo.samples_per_prompt={k}", critic=None)
@@ -228,8 +228,8 @@ def test_a_critic_exactly_when_the_estimator_needs_one(tiny):
 def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeypatch):
     """Adding an estimator or a policy loss is one function with its decorator: here, in this test,
     plain REINFORCE (the sequence reward on every token, no baseline) and an unclipped surrogate."""
-    from stages import losses
-    from stages.ppo import advantages
+    from stages.compute import losses
+    from stages.compute.ppo import advantages
 
     monkeypatch.setattr(advantages, "ADVANTAGE_ESTIMATORS", dict(advantages.ADVANTAGE_ESTIMATORS))
     monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
@@ -255,8 +255,8 @@ def test_an_estimator_and_a_policy_loss_registered_in_a_test_train(tiny, monkeyp
 def test_ppo_loads_no_critic_when_its_estimator_needs_none(tiny, monkeypatch):
     """load_models: the reward model always (scores, initial statistics), the critic only for an
     estimator that needs one; the stage's prepare fetches no critic for one that does not."""
-    from stages import model_loading
-    from stages.ppo import stage
+    from stages.compute import model_loading
+    from stages.pipeline import ppo as stage
 
     folder, _, _ = tiny
     loaded = []

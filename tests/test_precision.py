@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from stages import precision
-from stages.config import ConfigError
-from stages.config_loading import load_config
-from stages.losses import shifted_nll
-from stages.loading import load_model
-from stages.rendering import collate
-from stages.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
+from stages.compute.loading import load_model
+from stages.compute.losses import shifted_nll
+from stages.leaves import precision
+from stages.leaves.config import ConfigError
+from stages.leaves.rendering import collate
+from stages.orchestration.config_loading import load_config
+from stages.compute.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
                              clip_with_norm, linear_warmup, trained_model)
 from ppo_helpers import make_trainer
 
@@ -149,7 +149,7 @@ def test_adamw_from_bf16_gradients_is_torchs_adamw(monkeypatch, compiled, max_gr
     tensor to 1e-6 of its largest element. `clip` own: the engine's clip;
     joint: one clip over two engines (PPO's actor and critic, `clip_grad_norm`). `compiled` False:
     the eager form (fused kernels off, or compiling failed)."""
-    from stages.models import fused
+    from stages.compute.models import fused
 
     monkeypatch.setattr(fused, "enabled", compiled)
     torch.manual_seed(0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from stages import lineage, registry, runs, tracking
-from stages.config import CriticRollouts, PPOConfig
-from stages.config_loading import load_config
-from stages.registry import Stage
+from stages.leaves.config import CriticRollouts, PPOConfig
+from stages.orchestration import lineage, registry, runs, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.registry import Stage
 
 
 def _hash(stage: str, overrides: list[str]) -> str:

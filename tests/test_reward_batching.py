@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.reward.batching import PairBatchSampler, padded_tokens
+from stages.leaves.pair_batching import PairBatchSampler, padded_tokens
 
 
 def samplers(lengths, world_size, **kwargs):

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from stages.config import ModelConfig, RewardConfig
-from stages.dist import Dist
-from stages.losses import next_token_targets, reward_model_loss
-from stages.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
-from stages.reward.stage import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
-from stages.loading import train_bpe_tokenizer
-from stages.training import PlainEngine, cosine_with_warmup
+from stages.compute.loading import train_bpe_tokenizer
+from stages.compute.losses import next_token_targets, reward_model_loss
+from stages.compute.reward.model import RewardModel, last_token_index, load_reward_model, save_reward_model
+from stages.compute.training import PlainEngine, cosine_with_warmup
+from stages.leaves.config import ModelConfig, RewardConfig
+from stages.leaves.dist import Dist
+from stages.pipeline.reward import encode_pairs, forward_pairs, make_sampler, pair_batch, score_heldout
 
 WORDS = ("river stone cloud apple window garden paper music summer forest candle orange bridge "
          "silver yellow market winter letter basket pillow mirror engine ticket planet").split()

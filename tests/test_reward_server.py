@@ -1,4 +1,4 @@
-"""The reward server (stages/reward/serve.py) as clients meet it: real uvicorn on loopback serving a
+"""The reward server (stages/compute/reward/serve.py) as clients meet it: real uvicorn on loopback serving a
 tiny reward model made here. Each hostile input gets its 4xx within a second while a well-formed
 request from another client scores correctly; concurrent requests share forwards; a full queue
 answers 503 with Retry-After; /metrics counts what happened; SIGTERM lets a request in flight
@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import REPO_ROOT, RewardServerConfig
-from stages.config_loading import load_config
-from stages.launch import free_port
-from stages.reward.model import reward_model_from_lm, save_reward_model
-from stages.reward.serve import RewardScorer, ScoringQueue, ServerMetrics, make_app, make_server
-from stages.dist import Dist
-from stages.loading import load_tokenizer
-from stages.nonfinite import NonFiniteGuard
-from stages.ppo.external_scores import RewardSourceError, post_scores
+from stages.compute.loading import load_tokenizer
+from stages.compute.nonfinite import NonFiniteGuard
+from stages.compute.ppo.external_scores import RewardSourceError, post_scores
+from stages.compute.reward.model import reward_model_from_lm, save_reward_model
+from stages.compute.reward.serve import RewardScorer, ScoringQueue, ServerMetrics, make_app, make_server
+from stages.leaves.config import REPO_ROOT, RewardServerConfig
+from stages.leaves.dist import Dist
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import free_port
 
 TOKEN = "rm-test-token"
 TOKEN_ENV = "RLHF_TEST_RM_TOKEN"

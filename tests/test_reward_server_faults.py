@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from stages import lineage, run_writers, tracking
-from stages.config import REPO_ROOT, rlhf_home
-from stages.config_loading import load_config
-from stages.launch import StageLaunchError, execute, free_port
-from stages import checkpoint
-from stages.ppo.external_scores import RewardServerUnavailable
+from stages.compute import checkpoint
+from stages.compute.ppo.external_scores import RewardServerUnavailable
+from stages.leaves.config import REPO_ROOT, rlhf_home
+from stages.orchestration import lineage, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import StageLaunchError, execute, free_port
 
 ITERATIONS = 3
 

@@ -7,13 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from stages import lineage, loading, registry, run_writers, stats, tracking
-from stages.config_loading import load_config
-from stages.data import read_jsonl
-from stages.dist import Dist
-from stages.launch import execute
-from stages.reward import load_reward_model
-from stages.reward.stage import WORST_PAIRS, encode_pairs, make_sampler, score_heldout
+from stages.compute import loading
+from stages.compute.reward import load_reward_model
+from stages.leaves import stats
+from stages.leaves.dist import Dist
+from stages.orchestration import lineage, registry, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import execute
+from stages.pipeline.data import read_jsonl
+from stages.pipeline.reward import WORST_PAIRS, encode_pairs, make_sampler, score_heldout
 
 OVERRIDES = {"sft.epochs": 1}
 

@@ -3,8 +3,8 @@ logged on its MLflow parent run, under either naming of its metrics."""
 
 import pytest
 
-from stages import run_writers, runs, tracking
-from stages.config_loading import load_config
+from stages.orchestration import run_writers, runs, tracking
+from stages.orchestration.config_loading import load_config
 
 # A finished run of the data and eval stages as the tracking store holds it: its stage runs'
 # metrics, and the headline numbers it logged on itself.

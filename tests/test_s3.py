@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from leaks import leaks, mlflow_texts
-from stages import lineage, tracking
-from stages.config_loading import load_config
+from stages.orchestration import lineage, tracking
+from stages.orchestration.config_loading import load_config
 
 BUCKET = "rlhf-artifacts"
 OVERRIDES = {
@@ -68,7 +68,7 @@ def _runs_and_versions(pipeline_run_id: str) -> tuple[list, list]:
 
 
 def test_every_artifact_is_in_the_bucket_and_models_load_back(s3_run, s3_server, rlhf_home):
-    from stages.reward.model import load_reward_model
+    from stages.compute.reward.model import load_reward_model
 
     runs, versions = _runs_and_versions(s3_run)
     assert {run.data.tags.get("rlhf.stage") for run in runs[1:]} == {"data", "sft", "reward"}

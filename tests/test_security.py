@@ -17,8 +17,9 @@ import pytest
 
 from eval_helpers import JudgeServer
 from leaks import files, leaks, mlflow_texts
-from stages import lineage, loading, tracking
-from stages.config import REPO_ROOT, ModelConfig
+from stages.compute import loading
+from stages.leaves.config import REPO_ROOT, ModelConfig
+from stages.orchestration import lineage, tracking
 
 # Distinctive fake secrets, with the characters that URL- and base64-encoding change.
 JUDGE_KEY = "sk-rlhf-leakcheck/7f3a+9c1e=d42b"

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from leaks import leaks, mlflow_texts
-from stages import lineage, tracking
-from stages.launch import free_port
+from stages.orchestration import lineage, tracking
+from stages.orchestration.launch import free_port
 
 STAGES = ["data", "sft", "reward", "critic", "ppo"]
 SMALL = {

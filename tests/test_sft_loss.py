@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.nonfinite import NonFiniteGuard
-from stages.dist import Dist
-from stages.sft import accumulate_step, response_nll
-from stages.rendering import collate
-from stages.training import PlainEngine
+from stages.compute.nonfinite import NonFiniteGuard
+from stages.compute.training import PlainEngine
+from stages.leaves.dist import Dist
+from stages.leaves.rendering import collate
+from stages.pipeline.sft import accumulate_step, response_nll
 
 VOCAB, PAD = 40, 0
 
@@ -91,8 +91,8 @@ def test_a_skipped_nonfinite_micro_batch_keeps_each_optimiser_step_on_its_step()
 
 def test_sft_schedule_decays_to_ten_percent_of_the_peak():
     """Paper §5.1: SFT's cosine decays to 10 % of the peak lr (transformers' schedule: to 0)."""
-    from stages.config import SFTConfig
-    from stages.training import cosine_with_warmup
+    from stages.leaves.config import SFTConfig
+    from stages.compute.training import cosine_with_warmup
 
     sft = SFTConfig()
     assert (sft.lr, sft.epochs, sft.min_lr_ratio) == (9.5e-6, 2, 0.1)

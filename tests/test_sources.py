@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config_loading import load_config
-from stages.loading import cached, gguf_path, load_model, load_tokenizer, materialise_model
+from stages.compute.loading import cached, gguf_path, load_model, load_tokenizer, materialise_model
+from stages.orchestration.config_loading import load_config
 
 
 def _corpus():

@@ -1,4 +1,4 @@
-"""The static-buffer decode step (stages/ppo/static_sampling.py, `llama.StaticDecoder`) samples what
+"""The static-buffer decode step (stages/compute/ppo/static_sampling.py, `llama.StaticDecoder`) samples what
 the eager loop samples: on a CPU uncaptured, on a CUDA device replayed as a CUDA graph."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages import models
-from stages.config_loading import load_config
-from stages.models import set_cuda_graphs, static_decoder_class
-from stages.models.llama import StaticDecoder
-from stages.models.shapes import bucket
-from stages.ppo import static_sampling
-from stages.logprobs import token_logprobs
-from stages.ppo.experience import response_logits
-from stages.ppo.generation import generate, left_pad
+from stages.compute import models
+from stages.compute.models import set_cuda_graphs, static_decoder_class
+from stages.compute.models.llama import StaticDecoder
+from stages.compute.models.shapes import bucket
+from stages.compute.ppo import static_sampling
+from stages.compute.ppo.experience import response_logits
+from stages.compute.ppo.generation import generate, left_pad
+from stages.leaves.logprobs import token_logprobs
+from stages.orchestration.config_loading import load_config
 
 # Eight rows: a batch bucket, so a graph's batch is not padded and draws what the eager loop draws.
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16], [17], [18, 19, 20], [21, 22], [23], [24, 25, 26, 27]]
@@ -108,7 +108,7 @@ def test_bucket_pads_to_powers_of_two_then_multiples_of_the_quantum():
 
 
 def test_cuda_graphs_follows_the_config_and_stays_off_on_a_cpu(tiny):
-    from stages.loading import load_model
+    from stages.compute.loading import load_model
 
     folder, _, _ = tiny
     for setting in ("auto", "off"):

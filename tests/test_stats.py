@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages import stats
+from stages.leaves import stats
 
 
 def test_wilson_matches_the_hand_computed_interval():
@@ -65,7 +65,7 @@ def test_distinct_n_and_correlation():
 
 
 def test_champion_needs_the_interval_not_the_point_estimate():
-    from stages.evaluate.stage import champion_decision
+    from stages.pipeline.evaluate import champion_decision
 
     # 9 wins, 7 losses of 16: net win +0.125, but the interval reaches well below 0: no champion.
     noisy = stats.net_win(["win"] * 9 + ["lose"] * 7)

@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 from pipeline_helpers import version_tags
 
-from stages import study_records as studies
-from stages import lineage, registry, run_writers, stats, tracking
-from stages.config import ConfigError, rlhf_home
-from stages.config_loading import load_config
-from stages.data import pair_digest, read_jsonl
+from stages.leaves import stats
+from stages.leaves.config import ConfigError, rlhf_home
+from stages.orchestration import study_records as studies
+from stages.orchestration import lineage, registry, run_writers, tracking
+from stages.orchestration.config_loading import load_config
+from stages.pipeline.data import pair_digest, read_jsonl
 
 FAST = ["ppo.iterations=2", "ppo.eval_every=1", "eval.ceval.shots=[0]", "eval.judges=[{kind: reward_model}]"]
 
@@ -368,8 +369,8 @@ def _reward_pipeline_run(name: str, metrics: dict[str, float], outcomes: list[pd
     """A pipeline run whose reward stage's run holds `metrics` and (unless None) the per-pair
     outcomes the reward stage logs, in the real MLflow store; its id."""
 
-    from stages.reward.report import PAIR_OUTCOMES
-    from stages.tags import STAGE_TAG_PREFIX
+    from stages.leaves.reward_report import PAIR_OUTCOMES
+    from stages.leaves.tags import STAGE_TAG_PREFIX
 
     client = tracking.client()
     experiment = tracking.experiment_id(client, "same-pairs")
@@ -395,7 +396,7 @@ def test_the_gold_rm_is_gold_only_when_it_ranks_more_of_the_same_pairs_right():
     same pairs right is the second RM; one behind on its own pairs but ahead on the same ones is
     gold. The sentence above the table gives both accuracies on the same pairs and the paired
     difference with its interval."""
-    from stages.reward.report import pair_outcomes
+    from stages.leaves.reward_report import pair_outcomes
 
     keys = [f"pair-{k}" for k in range(40)]
     proxy_right = np.array([1] * 30 + [0] * 10)  # 0.750 on its 40 held-out pairs

@@ -1,4 +1,4 @@
-"""Under ZeRO-3 every model is built partitioned (`stages.model_loading`): on two DeepSpeed CPU
+"""Under ZeRO-3 every model is built partitioned (`stages.compute.model_loading`): on two DeepSpeed CPU
 ranks over gloo, the frozen reference and reward model as ZeRO-3 inference engines (with and
 without `launch.offload_params`) give the plain models' log-probs and scores on the same batch, and
 no rank holds a whole copy of a trained or a frozen model: each weight is a partition
@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import LaunchConfig
-from stages.config_loading import load_config
-from stages.dist import Dist
-from stages.launch import free_port, resolve_deepspeed_config
-from stages.loading import load_tokenizer
-from stages.logprobs import token_logprobs
-from stages.model_loading import frozen_lm, frozen_reward_model, trained_lm
-from stages.ppo.experience import response_logits
-from stages.ppo.generation import generate
-from stages.ppo.sampling import left_pad
-from stages.training import adamw, clip_grad_norm, make_engine, trained_model
+from stages.compute.loading import load_tokenizer
+from stages.compute.model_loading import frozen_lm, frozen_reward_model, trained_lm
+from stages.compute.ppo.experience import response_logits
+from stages.compute.ppo.generation import generate
+from stages.compute.ppo.sampling import left_pad
+from stages.compute.training import adamw, clip_grad_norm, make_engine, trained_model
+from stages.leaves.config import LaunchConfig
+from stages.leaves.dist import Dist
+from stages.leaves.logprobs import token_logprobs
+from stages.orchestration.config_loading import load_config
+from stages.orchestration.launch import free_port, resolve_deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -47,7 +47,7 @@ def batch(tokenizer, prompts: list[list[int]]):
 
 def frozen_outputs(model_dir: str, rm_dir: str, model_cfg, dist, ids, mask, width) -> dict:
     """The reference's log-probs of the last six tokens (as PPO takes them: `response_logits`) and
-    the reward model's scores, by the models `stages.model_loading` loads for `dist` (None: plain)."""
+    the reward model's scores, by the models `stages.compute.model_loading` loads for `dist` (None: plain)."""
     reference, _ = frozen_lm(model_dir, model_cfg, "cpu", dist)
     reward_model = frozen_reward_model(rm_dir, model_cfg, "cpu", dist)
     with torch.no_grad():
@@ -88,7 +88,7 @@ def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # deferred: DS_ACCELERATOR above must be set before it loads
 
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as stages.launch
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as stages.orchestration.launch
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     model_cfg = load_config("tiny", ["model.precision=fp32"]).model

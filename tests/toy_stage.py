@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages import tracking
-from stages.data import read_jsonl
+from stages.orchestration import tracking
+from stages.pipeline.data import read_jsonl
 
 
 def prepare(cfg, inputs: dict, downloads) -> dict:

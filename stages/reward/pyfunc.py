@@ -18,15 +18,15 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from stages.config import ModelConfig, PipelineConfig
-from stages.mlflow_models import Pack, requirements
+from stages.compute.mlflow_models import Pack, requirements
+from stages.leaves.config import ModelConfig, PipelineConfig
 
 
 class ScorerModel(mlflow.pyfunc.PythonModel):
     """predict: a frame with `prompt`, `response` (and optionally `ended`, default true) → `score`."""
 
     def load_context(self, context) -> None:
-        from stages.reward.serve import RewardScorer  # deferred: torch loads in the serving process only
+        from stages.compute.reward.serve import RewardScorer  # deferred: torch loads in the serving process only
 
         settings = context.model_config
         self.scorer = RewardScorer(Path(context.artifacts["model"]), ModelConfig(**settings["model"]),
@@ -40,7 +40,7 @@ class ScorerModel(mlflow.pyfunc.PythonModel):
 
 
 def scorer(cfg: PipelineConfig) -> Pack:
-    """Pack a saved reward model or critic (stages.reward.model's folder) as a `ScorerModel`; the
+    """Pack a saved reward model or critic (stages.compute.reward.model's folder) as a `ScorerModel`; the
     model settings it loads with (pad token, precision, fast path) and `reward.max_seq_len`, which
     `rlhf serve-reward` reads from the preset, come from the run's config (its `model_config`)."""
 

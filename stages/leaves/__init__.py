@@ -1,0 +1,2 @@
+"""The leaf modules: each imports none of ours (config, tags, rendering, tensors, ...), so any
+module may import them."""
