@@ -11,7 +11,7 @@ from stages.orchestration import registry
 from config_helpers import dotted_keys
 from flows.cli import main
 from stages.leaves.config import (ConfigError, CriticConfig, GenerationConfig, PipelineConfig, PPOConfig, RewardConfig,
-                           SFTConfig)
+                                  SFTConfig)
 from stages.orchestration.config_loading import load_config, nest_overrides, parse_override, upgrade_recorded
 
 # A description of an SFT, reward, critic, PPO or generation field names where its value comes

@@ -15,7 +15,7 @@ from stages.leaves.config import ConfigError, DataConfig
 from stages.orchestration import lineage, tracking
 from stages.orchestration.config_loading import load_config
 from stages.pipeline.data import (add_own_splits, load_pairs, make_splits, parse_prompt, parse_sft_example, read_jsonl,
-                         read_own_sources, splits_frame)
+                                  read_own_sources, splits_frame)
 from stages.compute.loading import DataError
 
 

@@ -12,8 +12,8 @@ from eval_helpers import SECRET, JudgeServer, tiny_lm
 from stages.leaves.config import LocalJudgeConfig, OpenAIJudgeConfig, RewardModelJudgeConfig
 from stages.leaves.rendering import render_prompt, render_response
 from stages.compute.evaluate.judge import (
-    JudgeError, LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, parse_verdict, tally,
-)
+                                           JudgeError, LocalJudge, OpenAIJudge, Pair, RewardModelJudge, judge_pairs, parse_verdict, tally,
+                                           )
 from stages.compute.reward.model import RewardModel
 
 KEY_ENV = "RLHF_TEST_JUDGE_KEY"

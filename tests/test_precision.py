@@ -15,7 +15,7 @@ from stages.leaves.config import ConfigError
 from stages.leaves.rendering import collate
 from stages.orchestration.config_loading import load_config
 from stages.compute.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
-                             clip_with_norm, linear_warmup, trained_model)
+                                     clip_with_norm, linear_warmup, trained_model)
 from ppo_helpers import make_trainer
 
 

@@ -10,7 +10,7 @@ import json
 from stages.leaves.config import PipelineConfig
 from stages.orchestration.config_loading import load_config, upgrade_recorded
 from stages.leaves.tags import (CONTRACT_TAG, FLOW_RUN_TAG, INPUTS_TAG, OUTPUTS_TAG, PIPELINE_TAG, PRESET_TAG, STAGES_TAG,
-                         STAGE_TAG, STAGE_TAG_PREFIX)
+                                STAGE_TAG, STAGE_TAG_PREFIX)
 from stages.orchestration.tracking import CONFIG_ARTIFACT, client, experiment_id, fetched
 
 

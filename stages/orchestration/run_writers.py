@@ -18,8 +18,8 @@ from stages.leaves.config import PipelineConfig, rlhf_home
 from stages.orchestration import registry
 from stages.orchestration.lineage import stage_runs
 from stages.leaves.tags import (ARM_TAG, CONFIG_HASH_TAG, DATA_DIGEST_TAG, DESCRIPTION_TAG, FAILED_STAGE_TAG, FROM_RUN_TAG,
-                         GIT_COMMIT_TAG, INPUTS_TAG, INPUT_TAG_PREFIX, OUTPUTS_TAG, PIPELINE_RUN_TAG, PIPELINE_TAG,
-                         PRESET_TAG, RESUMED_FROM_TAG, RESUMED_TAG, STAGES_TAG, STAGE_TAG, STAGE_TAG_PREFIX, STUDY_TAG)
+                                GIT_COMMIT_TAG, INPUTS_TAG, INPUT_TAG_PREFIX, OUTPUTS_TAG, PIPELINE_RUN_TAG, PIPELINE_TAG,
+                                PRESET_TAG, RESUMED_FROM_TAG, RESUMED_TAG, STAGES_TAG, STAGE_TAG, STAGE_TAG_PREFIX, STUDY_TAG)
 from stages.orchestration.tracking import CONFIG_ARTIFACT, client, experiment_id, git_commit, log_params
 from stages.orchestration.tracking_queue import QueuedCalls
 

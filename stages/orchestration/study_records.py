@@ -36,8 +36,8 @@ from stages.leaves.config import PipelineConfig
 from stages.leaves.reward_report import PAIR_OUTCOMES
 from stages.orchestration import lineage, registry, run_writers, tracking
 from stages.leaves.tags import (ARMS_TAG, ARM_KIND_TAG, ARM_TAG, BEST_OF_N_TAG, CHAMPION_TAG, CONFIG_HASH_TAG,
-                         GIT_COMMIT_TAG, FINAL_ITERATION_TAG, PIPELINE_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG,
-                         STUDY_OVERRIDES_TAG, STUDY_PRESET_TAG, STUDY_TAG)
+                                GIT_COMMIT_TAG, FINAL_ITERATION_TAG, PIPELINE_TAG, POLICY_ITERATION_TAG, PRESET_TAG, SEED_TAG,
+                                STUDY_OVERRIDES_TAG, STUDY_PRESET_TAG, STUDY_TAG)
 
 CHAIN = "chain"  # the arm name of the shared chain's pipeline run
 GOLD = "gold"  # the arm name of the gold reward model's pipeline run (`study.gold`)

@@ -24,7 +24,7 @@ from stages.leaves.dist import Dist
 from stages.orchestration import run_writers, tracking
 from stages.pipeline.data import corpus_texts, read_jsonl
 from stages.compute.evaluate.judge import (LocalJudge, OpenAIJudge, Pair, RewardModelJudge, RewardSourceJudge, judge_pairs,
-                                   tally)
+                                           tally)
 from stages.compute.model_loading import frozen_lm, frozen_reward_model
 from stages.compute.ppo.generation import generate
 from stages.compute.ppo.setup import encode_prompts

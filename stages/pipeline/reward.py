@@ -31,7 +31,7 @@ from stages.pipeline.data import RM_SPLITS, pair_digest, read_jsonl
 from stages.reward.pyfunc import scorer_pack
 from stages.runtime import lifecycle
 from stages.leaves.tags import (HELDOUT_ACCURACY_CI_HIGH_TAG, HELDOUT_ACCURACY_CI_LOW_TAG, HELDOUT_ACCURACY_TAG,
-                         HELDOUT_PAIRS_TAG, SCORE_MEAN_TAG, SCORE_STD_TAG)
+                                HELDOUT_PAIRS_TAG, SCORE_MEAN_TAG, SCORE_STD_TAG)
 
 WORST_PAIRS = 16  # rows of the eval/worst_pairs table
 

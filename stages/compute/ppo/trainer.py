@@ -24,7 +24,7 @@ from stages.compute.nonfinite import NonFiniteGuard
 from stages.leaves.config import ConfigError, PPOConfig
 from stages.leaves.dist import Dist
 from stages.compute.losses import (POLICY_STAT_NAMES, aggregate, kl_estimate, kl_loss, ptx_loss, registered_policy_loss,
-                           token_mean_share, value_loss)
+                                   token_mean_share, value_loss)
 from stages.compute.ppo.advantages import AdvantageInputs, advantage_estimator
 from stages.compute.ppo.experience import Experience, make_experience, response_logits, token_values
 from stages.compute.ppo.reward_shaping import RunningMoments, shape_scores, token_rewards
