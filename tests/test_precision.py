@@ -14,7 +14,7 @@ from stages.leaves import precision
 from stages.leaves.config import ConfigError
 from stages.leaves.rendering import collate
 from stages.orchestration.config_loading import load_config
-from stages.compute.training import (MasterWeights, PlainEngine, adamw, adamw_from_bf16_gradients, bf16_total_norm, clip_grad_norm,
+from stages.compute.training import (MasterWeights, PlainEngine, adamw, bf16_total_norm, clip_grad_norm,
                                      clip_with_norm, linear_warmup, trained_model)
 from ppo_helpers import make_trainer
 
@@ -211,8 +211,8 @@ def test_bf16_engine_computes_in_bf16_and_steps_fp32_masters(tiny):
     _train(engine, [_batch(tiny, slice(0, 8))])
     assert any(not torch.equal(b, m) for b, m in zip(before, masters))
     # The model's weights are the masters rounded to bf16.
-    for copy, master in zip(engine.master.copies, masters):
-        assert torch.equal(copy, master.detach().to(torch.bfloat16))
+    for bf16_copy, master in zip(engine.master.copies, masters):
+        assert torch.equal(bf16_copy, master.detach().to(torch.bfloat16))
     # Tied weights (the tiny Llama ties its embeddings to the LM head, if it does) stay one tensor.
     if model.config.tie_word_embeddings:
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
@@ -242,16 +242,16 @@ def test_gradients_accumulate_in_fp32(tiny):
         if expected is None:
             expected = grads
         engine.step()  # the first is not a boundary: nothing is stepped or zeroed
-    assert all(copy.grad is None for copy in engine.master.copies)
+    assert all(bf16_copy.grad is None for bf16_copy in engine.master.copies)
     # After the boundary step the next backward starts afresh: its gradients, not a sum with the
     # last step's (the masters' gradient buffers are kept and overwritten).
     model = engine.module
     logits = model(input_ids=batches[0]["input_ids"], attention_mask=batches[0]["attention_mask"]).logits
     nll, tokens = shifted_nll(logits, batches[0]["labels"])
     (nll / tokens / 2).backward(retain_graph=True)  # the same scaling as engine.backward with 2 accumulation steps
-    alone = [copy.grad.float() for copy in engine.master.copies]
-    for copy in engine.master.copies:
-        copy.grad = None
+    alone = [bf16_copy.grad.float() for bf16_copy in engine.master.copies]
+    for bf16_copy in engine.master.copies:
+        bf16_copy.grad = None
     engine.backward(nll / tokens)
     for master, expected_grad in zip(engine.trainable_parameters(), alone):
         torch.testing.assert_close(master.grad, expected_grad)
@@ -267,14 +267,14 @@ def test_a_parameter_without_a_gradient_in_a_step_is_not_stepped_with_the_last_s
     assert engine.steps_from_bf16 == from_bf16_gradients
     _train(engine, [_batch(tiny, slice(0, 8))])
     embedding = engine.module.get_input_embeddings().weight
-    frozen_out = [copy for copy in engine.master.copies if copy is not embedding]
+    frozen_out = [bf16_copy for bf16_copy in engine.master.copies if bf16_copy is not embedding]
     masters = dict(zip(map(id, engine.master.copies), engine.trainable_parameters()))
-    for copy in frozen_out:  # this step's backward reaches the embedding only
-        copy.requires_grad_(False)
-    before = {id(copy): masters[id(copy)].detach().clone() for copy in frozen_out}
+    for bf16_copy in frozen_out:  # this step's backward reaches the embedding only
+        bf16_copy.requires_grad_(False)
+    before = {id(bf16_copy): masters[id(bf16_copy)].detach().clone() for bf16_copy in frozen_out}
     _train(engine, [_batch(tiny, slice(8, 16))])
-    for copy in frozen_out:
-        assert torch.equal(masters[id(copy)], before[id(copy)]), "stepped with a stale gradient"
+    for bf16_copy in frozen_out:
+        assert torch.equal(masters[id(bf16_copy)], before[id(bf16_copy)]), "stepped with a stale gradient"
     if not engine.steps_from_bf16:  # a step from the bf16 gradients keeps no fp32 buffers
         assert masters[id(embedding)].grad is not None
 

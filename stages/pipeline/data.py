@@ -18,10 +18,14 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages.compute.loading import DataError, DataFiles, read_records, read_source
 from stages.leaves.config import ConfigError, DataConfig, PipelineConfig
 from stages.leaves.rendering import ASSISTANT, HUMAN, dialogue_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
 SPLITS = ("sft", "rm_train", "rm_eval", "ppo_prompts", "eval_prompts", "gold_rm_train", "gold_rm_eval")
