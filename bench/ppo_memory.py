@@ -53,8 +53,10 @@ MODES = {
     "zero3": ZERO3,
     "zero3-offload": [*ZERO3, "ppo.launch.offload_optimizer=true", "ppo.launch.offload_params=true"],
     "lora": ["model.lora.rank=16"],
-    # "zero3-partitioned-frozen": the zero3 mode plus the switch that loads every model partitioned
-    # and runs the frozen ones as ZeRO-3 inference engines, once the config has it.
+    # ZeRO-3 with DeepSpeed's buffers sized for this model (bench/zero3_small_buckets.json): its
+    # defaults keep every trained weight of a model this small gathered through the step and bucket
+    # every gradient, which the partitions' savings do not cover (plan.deepspeed_buffers).
+    "zero3-small-buckets": [f"ppo.launch.deepspeed={Path(__file__).with_name('zero3_small_buckets.json')}"],
 }
 
 # ~140M parameters (12 layers × 11.3M + a 4k-token embedding): big enough that the model states
@@ -125,8 +127,8 @@ def start_rank():
 def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
     import torch
 
+    from stages.leaves import allocator, precision
     from stages.orchestration import plan
-    from stages.leaves import precision
     from stages.leaves.dist import Dist
     from stages.orchestration.launch import resolve_deepspeed_config
 
@@ -168,7 +170,7 @@ def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
     dist.barrier()
     iteration = status_bytes("VmHWM") - baseline
     per_rank = predicted.host_peak // predicted.ranks_per_host
-    return {"mode": mode, "rank": rank, "sharding": predicted.sharding.describe(), "batch": predicted.batch,
+    return {"mode": mode, "rank": rank, "allocator": allocator.in_use(), "sharding": predicted.sharding.describe(), "batch": predicted.batch,
             "params": plan.read_architecture(cfg.model).params(), "baseline": baseline, "load": load,
             "after_setup": settled, "iteration": iteration, "peak": max(load, iteration), "predicted": per_rank,
             "predicted_device": predicted.peak, "predicted_phases": predicted.phases,
@@ -188,10 +190,15 @@ def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int, fixed_
     spec.write_text(json.dumps(inputs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            __file__, "--rank-child", mode, "--inputs", str(spec), *[a for o in overrides for a in ("--set", o)]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           **({"MALLOC_MMAP_THRESHOLD_": "131072"} if fixed_mmap_threshold else {})}
+    from stages.leaves import allocator
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # The ranks run on the allocator a stage's ranks run on (TCMalloc where the machine has it,
+    # RLHF_ALLOCATOR to choose), or on glibc's malloc with its mmap threshold fixed.
+    env = {**env, allocator.VARIABLE: "system", "MALLOC_MMAP_THRESHOLD_": "131072"} if fixed_mmap_threshold else allocator.environment(env)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
-    rows = [json.loads(line.removeprefix("RESULT ")) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    # Each rank writes its own file: two ranks' lines on one stdout pipe can interleave.
+    rows = [json.loads(path.read_text()) for path in spec.parent.glob("rank*.json")]
     if out.returncode or len(rows) != 2:
         log = spec.with_name("ranks.log")
         log.write_text(out.stdout + out.stderr)
@@ -219,15 +226,16 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 2-layer model: checks the bench, not the plan")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
     parser.add_argument("--fixed-mmap-threshold", action="store_true",
-                        help="glibc's mmap threshold fixed at 128 KiB: freed blocks go back to the system, so the "
-                             "peak is the live memory's (bench/plan_vs_measured.py)")
+                        help="the ranks on glibc's malloc with its mmap threshold fixed at 128 KiB: freed blocks go "
+                             "back to the system, so the peak is the live memory's (bench/plan_vs_measured.py); "
+                             "without it they run on the allocator a stage's ranks run on")
     parser.add_argument("--json", default=None, help="also write every rank's result to this file")
     parser.add_argument("--rank-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_child:
         row = rank_child(args.rank_child, args.overrides, json.loads(Path(args.inputs).read_text()))
-        print("RESULT " + json.dumps(row), flush=True)
+        Path(args.inputs).with_name(f"rank{row['rank']}.json").write_text(json.dumps(row))
         return
     shape = SHAPE + (SMALL_SHAPE if args.small else [])
     base = [*COMMON, *shape]

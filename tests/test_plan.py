@@ -12,7 +12,7 @@ import pytest
 
 from stages.orchestration import plan
 from stages.orchestration.config_loading import load_config
-from stages.orchestration.plan import Role, Sharding, model_states
+from stages.orchestration.plan import Role, Sharding, deepspeed_buffers, model_states
 
 LLAMA_7B = plan.read_architecture(load_config("tiny").model, "llama-2-7b")
 
@@ -80,6 +80,35 @@ def test_model_states_by_zero_stage_match_hand_computed_bytes():
     assert frozen.weights == 1000 + 400
 
 
+def test_deepspeed_buffers_by_zero_stage_match_hand_computed_bytes():
+    """What DeepSpeed holds beside the model states: a trained model's gradient bucket (ZeRO-2/3),
+    and under ZeRO-3 the parameters gathered ahead and those kept gathered for their backward."""
+    psi, largest = 1000, 100
+    trained, frozen = Role("actor", True, psi), Role("reference", False, psi)
+    small = dict(world_size=4, reduce_bucket_size=300, prefetch_bucket_size=50, max_reuse_distance=400)
+
+    def buffers(role, precision="bf16", **sharding):
+        return deepspeed_buffers(role, precision, Sharding(**sharding), largest)
+
+    assert buffers(trained) == buffers(trained, zero=1) == buffers(frozen, zero=2, **small) == 0
+    assert buffers(trained, zero=2, **small) == 2 * 300  # the reduce bucket, 16-bit
+    assert buffers(trained, "fp32", zero=2, **small) == 4 * 300
+    # ZeRO-3 trained: the bucket, and gathered beyond the one module model_states counts: half the
+    # reuse distance (200) plus the prefetch (50), less that module (100)
+    assert buffers(trained, zero=3, **small) == 2 * 300 + 2 * (200 + 50 - 100)
+    # frozen: no gradients; the module in use plus the prefetch
+    assert buffers(frozen, zero=3, **small) == 2 * 50
+    # DeepSpeed's defaults on a model smaller than its buckets: its whole size in each
+    assert buffers(trained, zero=3, world_size=4) == 2 * psi + 2 * (psi - largest)
+    # LoRA: only the adapters have gradients to bucket
+    assert deepspeed_buffers(trained, "bf16", Sharding(zero=2, **small), largest, trained_params=10) == 2 * 10
+    # the stage's table counts them in its total
+    cfg = load_config("tiny", ["model.precision=bf16", "ppo.launch.world_size=2", "ppo.launch.deepspeed=zero3"])
+    ppo = plan.plan(cfg, stages=["ppo"], device="cpu").stages[0]
+    assert [r.buffers > 0 for r in ppo.roles] == [True, True, True, True]
+    assert ppo.states == sum(r.states + r.buffers for r in ppo.roles)
+
+
 def test_a_cpu_bf16_stage_that_steps_from_bf16_gradients_plans_no_fp32_gradients():
     """The reward stage (one backward a step) on a CPU in bf16 steps from the bf16 gradients
     (training.steps_from_bf16_gradients): 2Ψ of gradients, not 6Ψ, as PPO's actor and critic; SFT
@@ -116,8 +145,9 @@ def test_model_states_less_the_fp32_gradient_partition_are_the_zero_papers_figur
 def test_the_zero_stage_comes_from_the_deepspeed_config():
     cfg = load_config("tiny", ["ppo.launch.world_size=8", "ppo.launch.deepspeed=zero3",
                                "sft.launch.world_size=2", "sft.launch.deepspeed=zero2"])
+    # zero3.json leaves DeepSpeed's buckets at its defaults; zero2.json sets its reduce bucket
     assert plan.stage_sharding(cfg, "ppo") == Sharding(world_size=8, zero=3)
-    assert plan.stage_sharding(cfg, "sft") == Sharding(world_size=2, zero=2)
+    assert plan.stage_sharding(cfg, "sft") == Sharding(world_size=2, zero=2, reduce_bucket_size=50_000_000)
     assert plan.stage_sharding(cfg, "reward") == Sharding()
 
 
@@ -125,7 +155,7 @@ def test_ranks_without_a_deepspeed_config_are_planned_on_the_zero2_they_run():
     """Two ranks with `launch.deepspeed` unset run DeepSpeed's zero2 config
     (stages.orchestration.launch.resolve_deepspeed_config), not the plain engine; one rank runs in process."""
     cfg = load_config("tiny", ["ppo.launch.world_size=2"])
-    assert plan.stage_sharding(cfg, "ppo") == Sharding(world_size=2, zero=2)
+    assert plan.stage_sharding(cfg, "ppo") == Sharding(world_size=2, zero=2, reduce_bucket_size=50_000_000)
     assert plan.stage_sharding(cfg, "sft") == Sharding()
 
 

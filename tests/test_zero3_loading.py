@@ -113,9 +113,11 @@ def rank_main(model_dir: str, rm_dir: str, out: str) -> None:
     config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
     zero3 = Dist(rank=rank, world_size=RANKS, deepspeed_config=config)
     saved = save_after_a_step(model_dir, model_cfg, zero3, ids, mask, Path(out, "saved"))
+    lora_cfg = load_config("tiny", ["model.precision=fp32", f"model.lora.rank={LORA_RANK}"]).model
+    lora = lora_merged_after_a_step(model_dir, lora_cfg, zero3, ids, mask)
     clipped = clipped_under_zero3(zero3)
     torch.save({"results": results, "shares": shares, "offloaded": offloaded, "rollouts": rollouts, "saved": saved,
-                "clipped": clipped}, Path(out, f"rank{rank}.pt"))
+                "lora": lora, "clipped": clipped}, Path(out, f"rank{rank}.pt"))
 
 
 def clipped_under_zero3(dist) -> dict:
@@ -157,6 +159,36 @@ def save_after_a_step(model_dir: str, model_cfg, dist, ids, mask, out: Path) -> 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         gathered = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     return gathered if dist.is_main else None
+
+
+LORA_RANK = 4
+LORA_TARGET = "model.layers.0.self_attn.q_proj"  # a projection `model.lora.target_modules` (all-linear) adapts
+
+
+def lora_merged_after_a_step(model_dir: str, model_cfg, dist, ids, mask) -> dict | None:
+    """A model with LoRA adapters (`model.lora`) trains one step under ZeRO-3 and every rank asks
+    for the trained model. On the main rank: the class of what came back, its modules that are
+    still peft's, its state dict, and `LORA_TARGET`'s base weight, adapters (gathered by DeepSpeed
+    before the merge) and peft's scale."""
+    import deepspeed  # deferred: the ranks' module only
+
+    model = trained_lm(model_dir, model_cfg, "cpu", dist)
+    engine = make_engine(model, adamw(model, dist, lr=1e-2), None, micro_batch_size=ids.shape[0], grad_accum_steps=1,
+                         max_grad_norm=1.0, precision="fp32", dist=dist)
+    engine.backward(engine(input_ids=ids, attention_mask=mask, labels=ids).loss)
+    engine.step()
+    layer = engine.module.get_submodule(LORA_TARGET)
+    parts = {"base": layer.get_base_layer().weight, "A": layer.lora_A["default"].weight,
+             "B": layer.lora_B["default"].weight}
+    with deepspeed.zero.GatheredParameters(list(parts.values()), modifier_rank=None):
+        adapted = {key: p.detach().clone() for key, p in parts.items()}
+    whole = trained_model(engine)  # collective
+    if not dist.is_main:
+        return None
+    return {"class": type(whole), "peft_modules": [name for name, m in whole.named_modules()
+                                                   if type(m).__module__.startswith("peft.")],
+            "state": {name: t.detach().clone() for name, t in whole.state_dict().items()},
+            "scaling": layer.scaling["default"], "alpha": model_cfg.lora.alpha, **adapted}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +279,31 @@ def test_a_model_trained_under_zero3_is_saved_whole(ranks, tmp_path_factory):
         assert saved[name].shape == tensor.shape, (name, saved[name].shape, tensor.shape)
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
     assert set(saved) <= set(gathered) and len(saved) >= len(gathered) - 1
+
+
+def test_a_lora_model_trained_under_zero3_is_saved_as_a_plain_model_with_its_adapters_merged(ranks):
+    """Under ZeRO-3 the trained LoRA model comes back whole, as a plain transformers model: no peft
+    layer left, no adapter weight in its state dict, and each adapted weight is the engine's base
+    weight plus peft's update, (B @ A) · alpha/rank, with the adapters the step trained."""
+    from transformers import LlamaForCausalLM
+
+    lora = ranks[0]["lora"]
+    assert ranks[1]["lora"] is None
+    assert lora["class"] is LlamaForCausalLM
+    assert lora["peft_modules"] == []
+    state = lora["state"]
+    assert not [name for name in state if "lora_" in name or "base_layer" in name]
+    assert set(ranks[0]["saved"]) <= set(state)  # the plain model's weights, by their plain names
+    assert lora["scaling"] == pytest.approx(lora["alpha"] / LORA_RANK)  # peft's scale: alpha / rank
+    base, a, b = lora["base"], lora["A"], lora["B"]
+    assert a.shape == (LORA_RANK, base.shape[1]) and b.shape == (base.shape[0], LORA_RANK)
+    assert b.abs().max() > 0  # peft starts B at zero: the step moved it, so the merge adds something
+    merged = state[LORA_TARGET + ".weight"]
+    assert merged.shape == base.shape
+    torch.testing.assert_close(merged, base + (b @ a) * lora["scaling"], rtol=RTOL, atol=ATOL)
+    assert not torch.equal(merged, base)
+    for name, tensor in state.items():
+        assert tensor.numel() > 0, f"{name}: empty (a rank's view of a partition)"
 
 
 if __name__ == "__main__":

@@ -49,9 +49,14 @@ GiB = 1024**3
 ARCHITECTURES_DIR = REPO_ROOT / "infra" / "architectures"
 # The stages that train: each runs on the lifecycle, which resumes it from its checkpoint.
 TRAINING_STAGES = tuple(s.name for s in registry.STAGES.values() if s.resumes)
-# DeepSpeed's default ZeRO-3 sub-group (deepspeed/runtime/zero/config.py, `sub_group_size`): its step
-# converts one sub-group's gradient partition to fp32 at a time.
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py) for what a ZeRO config leaves unset or
+# "auto" (DeepSpeed drops "auto" keys): the ZeRO-3 sub-group its step converts to fp32 at a time, the
+# gradient bucket it reduces from, the parameters it gathers ahead, and how far ahead in a step's
+# module trace a gathered parameter's next use keeps it gathered. Elements, not bytes.
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+DEEPSPEED_REDUCE_BUCKET_SIZE = 500_000_000
+DEEPSPEED_PREFETCH_BUCKET_SIZE = 50_000_000
+DEEPSPEED_MAX_REUSE_DISTANCE = 1_000_000_000
 
 
 class PlanError(ConfigError):
@@ -197,6 +202,9 @@ class Sharding:
     offload_optimizer: bool = False
     offload_param: bool = False
     sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE
+    reduce_bucket_size: int = DEEPSPEED_REDUCE_BUCKET_SIZE
+    prefetch_bucket_size: int = DEEPSPEED_PREFETCH_BUCKET_SIZE
+    max_reuse_distance: int = DEEPSPEED_MAX_REUSE_DISTANCE
 
     def describe(self) -> str:
         if self.zero is None:
@@ -216,11 +224,18 @@ def stage_sharding(cfg: PipelineConfig, stage: str) -> Sharding:
     def offloaded(key: str) -> bool:
         return str((zero.get(key) or {}).get("device", "none")).lower() in ("cpu", "nvme")
 
+    def elements(key: str, default: int) -> int:
+        value = zero.get(key, "auto")
+        return default if value == "auto" else int(float(value))
+
     # The launch switches write these keys into the ranks' config (stages.orchestration.launch.resolve_deepspeed_config).
     return Sharding(world_size=launch.world_size, zero=int(zero.get("stage", 0)),
                     offload_optimizer=offloaded("offload_optimizer") or launch.offload_optimizer,
                     offload_param=offloaded("offload_param") or launch.offload_params,
-                    sub_group_size=int(zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)))
+                    sub_group_size=elements("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE),
+                    reduce_bucket_size=elements("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE),
+                    prefetch_bucket_size=elements("stage3_prefetch_bucket_size", DEEPSPEED_PREFETCH_BUCKET_SIZE),
+                    max_reuse_distance=elements("stage3_max_reuse_distance", DEEPSPEED_MAX_REUSE_DISTANCE))
 
 
 @dataclass
@@ -238,14 +253,20 @@ class Role:
     logits: int = 0  # training phase
     rollout: int = 0  # rollout phase: KV cache, no-grad forward passes and their logits
     offloaded: int = 0
+    buffers: int = 0  # DeepSpeed's working buffers beside the model states (`deepspeed_buffers`)
 
     @property
     def states(self) -> int:
         return self.weights + self.master + self.grads + self.optimizer
 
     @property
+    def resident(self) -> int:
+        """What the role holds through every phase: its model states and DeepSpeed's buffers."""
+        return self.states + self.buffers
+
+    @property
     def total(self) -> int:
-        return self.states + self.activations + self.logits + self.rollout
+        return self.resident + self.activations + self.logits + self.rollout
 
 
 def model_states(role: Role, precision: str, sharding: Sharding, largest_module: int) -> Role:
@@ -298,6 +319,33 @@ def model_states(role: Role, precision: str, sharding: Sharding, largest_module:
         offloaded, weights = offloaded + weights, 0
     return replace(role, weights=weights + gathered, master=master, grads=grads + fp32_grads, optimizer=optimizer,
                    offloaded=offloaded)
+
+
+def deepspeed_buffers(role: Role, precision: str, sharding: Sharding, largest_module: int,
+                      trained_params: int | None = None) -> int:
+    """Bytes per device DeepSpeed holds beside a model's states (`model_states`, as DeepSpeed's own
+    estimators, counts one module gathered; these are what its config adds to that):
+      the gradient bucket a trained model's gradients are reduced from (ZeRO-2 and -3 with
+            `contiguous_gradients`: `reduce_bucket_size` elements in the 16-bit dtype, allocated when
+            the engine starts; a model smaller than the bucket fills only its own size; with LoRA
+            `trained_params`, the adapters, are all that have gradients);
+      under ZeRO-3 the parameters held gathered: those fetched ahead (`stage3_prefetch_bucket_size`),
+            and in a trained model every parameter whose next use in the step's module trace (its
+            backward, after the forward of the layers above it and their backward) comes within
+            `stage3_max_reuse_distance` elements: the last half of that distance of the forward stays
+            gathered until the backward, the whole model when it is smaller than that half.
+    deepspeed/runtime/zero/stage3.py (the IPG bucket), partitioned_param_coordinator.py
+    (`__params_to_release`)."""
+    if sharding.zero is None or sharding.zero < 2:
+        return 0
+    low = 2 if precision == "bf16" else 4
+    psi = role.params
+    bucket = low * min(trained_params or psi, sharding.reduce_bucket_size) if role.trained else 0
+    if sharding.zero < 3:
+        return bucket
+    held = max(largest_module, sharding.max_reuse_distance // 2) if role.trained else largest_module
+    gathered = min(psi, held + sharding.prefetch_bucket_size)
+    return bucket + low * max(0, gathered - largest_module)
 
 
 def frozen_states(role: Role, precision: str, sharding: Sharding, largest_module: int) -> Role:
@@ -427,7 +475,8 @@ class StagePlan:
 
     @property
     def states(self) -> int:
-        return sum(role.states for role in self.roles)
+        """What the stage holds through every phase: its roles' model states and DeepSpeed's buffers."""
+        return sum(role.resident for role in self.roles)
 
     @property
     def peak(self) -> int:
@@ -445,7 +494,8 @@ class StagePlan:
         phase = max(self.phases, key=self.phases.get) if self.phases else None
         best = None
         for role in self.roles:
-            parts = {"weights": role.weights, "master": role.master, "grads": role.grads, "optimizer": role.optimizer}
+            parts = {"weights": role.weights, "master": role.master, "grads": role.grads, "optimizer": role.optimizer,
+                     "buffers": role.buffers}
             if phase == "train":
                 parts.update(activations=role.activations, logits=role.logits)
             elif phase == "rollout":
@@ -546,9 +596,12 @@ class Planning:
         """A model's states; a trained one under LoRA trains only its adapters (and any head)."""
         largest = self.arch.largest_module_params()
         if trained and self.adapters:
-            return lora_model_states(name, params, self.adapters + params - self.arch.params(), self.resolved,
-                                     self.sharding, largest)
-        return model_states(Role(name, trained, params), self.resolved, self.sharding, largest)
+            adapters = self.adapters + params - self.arch.params()
+            role = lora_model_states(name, params, adapters, self.resolved, self.sharding, largest)
+        else:
+            role, adapters = model_states(Role(name, trained, params), self.resolved, self.sharding, largest), None
+        role.buffers = deepspeed_buffers(role, self.resolved, self.sharding, largest, adapters)
+        return role
 
     def without_fp32_gradients(self, role: Role | None, grad_accum_steps: int) -> None:
         """A plain engine that steps from the bf16 gradients keeps no fp32 ones: gradients 2Ψ, not 6Ψ."""
@@ -666,7 +719,10 @@ def plan_stage(cfg: PipelineConfig, stage: str, arch: Architecture, device: str 
     if any(r.rollout for r in roles):
         phases["rollout"] = sum(r.rollout for r in roles)
     return StagePlan(stage, device, resolved, sharding, _ranks_per_host(cfg, stage), roles, phases, batch,
-                     {"states": _states_advice(stage, sharding), **advice}, registry.get(stage).skipped(cfg))
+                     {"states": _states_advice(stage, sharding),
+                      "buffers": f"lower reduce_bucket_size or stage3_max_reuse_distance in the zero_optimization of "
+                                 f"{stage}.launch.deepspeed's config", **advice},
+                     registry.get(stage).skipped(cfg))
 
 
 @dataclass
@@ -702,7 +758,7 @@ class Plan:
         return Verdict(True, "every stage fits")
 
     def table(self) -> str:
-        cols = ("weights", "master", "grads", "optim", "activ", "logits", "rollout", "total")
+        cols = ("weights", "master", "grads", "optim", "buffers", "activ", "logits", "rollout", "total")
         lines = [f"model: {self.arch.source}: Ψ = {self.arch.params() / 1e6:,.1f} M parameters, "
                  f"{self.arch.num_hidden_layers} layers, hidden {self.arch.hidden_size}, "
                  f"heads {self.arch.num_attention_heads}/{self.arch.num_key_value_heads} kv, "
@@ -716,11 +772,12 @@ class Plan:
                          + (f"  [skipped: {sp.skipped}]" if sp.skipped else ""))
             lines.append(head)
             for r in sp.roles:
-                values = (r.weights, r.master, r.grads, r.optimizer, r.activations, r.logits, r.rollout, r.total)
+                values = (r.weights, r.master, r.grads, r.optimizer, r.buffers, r.activations, r.logits, r.rollout,
+                          r.total)
                 lines.append(f"  {r.name:<20}" + "".join(f"{gib(v):>9}" for v in values)
                              + (f"   (+{gib(r.offloaded)} GiB on the host)" if r.offloaded else ""))
             phases = ", ".join(f"{name} {gib(v)}" for name, v in sp.phases.items())
-            lines.append(f"  {'per device':<20}{'':>63}{gib(sp.peak):>9}   = states {gib(sp.states)} + max({phases})")
+            lines.append(f"  {'per device':<20}{'':>72}{gib(sp.peak):>9}   = states {gib(sp.states)} + max({phases})")
             lines.append("")
         for sp, used, available in self.verdicts():
             where = "per host" if sp.device == "cpu" else "per GPU"
