@@ -208,12 +208,12 @@ def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int, fixed_
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = [f"{'mode':<16}{'plan: sharding':<34}{'predicted':>10}{'load':>8}{'iteration':>10}{'peak':>8}"
+    lines = [f"{'mode':<21}{'plan: sharding':<34}{'predicted':>10}{'load':>8}{'iteration':>10}{'peak':>8}"
              f"{'peak/pred':>10}  (GiB per rank, the larger rank)"]
     for mode, rows in results.items():
         worst = max(rows, key=lambda row: row["peak"])
         flag = "" if abs(worst["ratio"] - 1) <= TOLERANCE else "  FLAG: outside ±25 %"
-        lines.append(f"{mode:<16}{worst['sharding']:<34}{worst['predicted'] / GiB:>10.2f}"
+        lines.append(f"{mode:<21}{worst['sharding']:<34}{worst['predicted'] / GiB:>10.2f}"
                      f"{max(r['load'] for r in rows) / GiB:>8.2f}{max(r['iteration'] for r in rows) / GiB:>10.2f}"
                      f"{worst['peak'] / GiB:>8.2f}{worst['ratio']:>10.2f}{flag}")
     return "\n".join(lines)
