@@ -98,6 +98,8 @@ def test_a_run_ends_with_its_headline_and_a_verdict_and_logs_them_on_the_parent_
     at_chance = judged["eval/judge/reward_model/accuracy_ci_low"] <= 0.5
     assert verdict.startswith(f"Verdict: cannot decide: reward_model's accuracy {accuracy} ") == at_chance, verdict
     assert verdict.startswith("Verdict: the policy ") != at_chance
+    if at_chance:  # the reason once, and what it means for the champion
+        assert verdict.count("cannot decide") == 1 and "the policy is not the champion" in verdict, verdict
     numbers = lines[lines.index(verdict) + 1]
     assert numbers.startswith(f"  reward_model judge: accuracy {accuracy}; "), numbers
     # each number beside its length-controlled value, which leads where the judge goes by length

@@ -324,7 +324,7 @@ def _verdict(views: dict[str, StageView]) -> list[str]:
     beat, undecided = champion.startswith("yes"), champion.startswith("no (cannot decide: ")
     if undecided:
         lines = [f"Verdict: {_cannot_decide(metrics, judge)} ({judge} judge on {n} held-out prompts: {counts}; a judge "
-                 f"at chance gives no win or loss; {champion})."]
+                 f"at chance gives no win or loss, and the policy is not the champion)."]
     else:
         lines = [f"Verdict: the policy {'beat' if beat else 'did not beat'} the SFT model ({judge} judge on {n} "
                  f"held-out prompts: {counts}; {champion})."]
