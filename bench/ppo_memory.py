@@ -53,11 +53,16 @@ MODES = {
     "zero3": ZERO3,
     "zero3-offload": [*ZERO3, "ppo.launch.offload_optimizer=true", "ppo.launch.offload_params=true"],
     "lora": ["model.lora.rank=16"],
-    # ZeRO-3 with DeepSpeed's buffers sized for this model (bench/zero3_small_buckets.json): its
-    # defaults keep every trained weight of a model this small gathered through the step and bucket
-    # every gradient, which the partitions' savings do not cover (plan.deepspeed_buffers).
-    "zero3-small-buckets": [f"ppo.launch.deepspeed={Path(__file__).with_name('zero3_small_buckets.json')}"],
+    # ZeRO-3 with DeepSpeed's buffers sized for this model (`SMALL_BUCKETS`): its defaults keep every
+    # trained weight of a model this small gathered through the step and bucket every gradient, which
+    # the partitions' savings do not cover (plan.deepspeed_buffers). {small_buckets}: the config
+    # `small_buckets_config` writes.
+    "zero3-small-buckets": ["ppo.launch.deepspeed={small_buckets}"],
 }
+# infra/deepspeed/zero3.json with these zero_optimization keys (elements) instead of DeepSpeed's
+# defaults (5e8, 5e7, 1e9, 1e9), so the mode differs from `zero3` in its buffers only.
+SMALL_BUCKETS = {"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000,
+                 "stage3_max_live_parameters": 20_000_000, "stage3_max_reuse_distance": 0}
 
 # ~140M parameters (12 layers × 11.3M + a 4k-token embedding): big enough that the model states
 # dominate the allocator's and the libraries' own memory, small enough for one iteration on 2 cores.
@@ -107,6 +112,17 @@ def prepare_inputs(cfg, folder: Path) -> dict:
         save_reward_model(reward_model_from_lm(model_dir, cfg.model), loading.load_tokenizer(model_dir, cfg.model),
                           rm_dir, {})
     return {"sft_model_dir": model_dir, "reward_model_dir": str(rm_dir)}
+
+
+def small_buckets_config(folder: Path) -> Path:
+    """The shipped ZeRO-3 config with `SMALL_BUCKETS`, written into `folder`."""
+    from stages.orchestration.config_loading import deepspeed_config_path
+
+    ds = json.loads(deepspeed_config_path("zero3").read_text())
+    ds["zero_optimization"] = {**ds["zero_optimization"], **SMALL_BUCKETS}
+    path = folder / "zero3_small_buckets.json"
+    path.write_text(json.dumps(ds, indent=1))
+    return path
 
 
 def start_rank():
@@ -170,8 +186,9 @@ def rank_child(mode: str, overrides: list[str], inputs: dict) -> dict:
     dist.barrier()
     iteration = status_bytes("VmHWM") - baseline
     per_rank = predicted.host_peak // predicted.ranks_per_host
-    return {"mode": mode, "rank": rank, "allocator": allocator.in_use(), "sharding": predicted.sharding.describe(), "batch": predicted.batch,
-            "params": plan.read_architecture(cfg.model).params(), "baseline": baseline, "load": load,
+    return {"mode": mode, "rank": rank, "allocator": allocator.in_use(), "sharding": predicted.sharding.describe(),
+            "batch": predicted.batch, "params": plan.read_architecture(cfg.model).params(), "baseline": baseline,
+            "load": load,
             "after_setup": settled, "iteration": iteration, "peak": max(load, iteration), "predicted": per_rank,
             "predicted_device": predicted.peak, "predicted_phases": predicted.phases,
             "ratio": max(load, iteration) / per_rank, "iteration_ratio": iteration / per_rank,
@@ -195,7 +212,10 @@ def run_mode(mode: str, overrides: list[str], inputs: dict, timeout: int, fixed_
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # The ranks run on the allocator a stage's ranks run on (TCMalloc where the machine has it,
     # RLHF_ALLOCATOR to choose), or on glibc's malloc with its mmap threshold fixed.
-    env = {**env, allocator.VARIABLE: "system", "MALLOC_MMAP_THRESHOLD_": "131072"} if fixed_mmap_threshold else allocator.environment(env)
+    if fixed_mmap_threshold:
+        env = {**env, allocator.VARIABLE: "system", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    else:
+        env = allocator.environment(env)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     # Each rank writes its own file: two ranks' lines on one stdout pipe can interleave.
     rows = [json.loads(path.read_text()) for path in spec.parent.glob("rank*.json")]
@@ -239,10 +259,13 @@ def main() -> None:
         return
     shape = SHAPE + (SMALL_SHAPE if args.small else [])
     base = [*COMMON, *shape]
-    inputs = prepare_inputs(config([*base, *args.overrides]), Path(tempfile.mkdtemp()))
+    folder = Path(tempfile.mkdtemp())
+    inputs = prepare_inputs(config([*base, *args.overrides]), folder)
+    small_buckets = small_buckets_config(folder)
     results = {}
     for mode in args.modes.split(","):
-        rows = run_mode(mode, [*base, *MODES[mode], *args.overrides], inputs, args.timeout, args.fixed_mmap_threshold)
+        overrides = [o.format(small_buckets=small_buckets) for o in MODES[mode]]
+        rows = run_mode(mode, [*base, *overrides, *args.overrides], inputs, args.timeout, args.fixed_mmap_threshold)
         for row in rows:
             print(json.dumps(row), flush=True)
         results[mode] = rows
